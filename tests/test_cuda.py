@@ -1,0 +1,126 @@
+"""On a real CUDA device: flag on equals stock, the criteria run on a side stream, and no decode step blocks.
+
+Skipped without CUDA (CI has none). Syncs are counted with `torch.cuda.set_sync_debug_mode("warn")`: the warnings
+of an N-token call minus those of a 1-token call, so everything `generate()` does once per call cancels out.
+"""
+
+from __future__ import annotations
+
+import unittest
+import warnings
+
+import torch
+from parameterized import parameterized
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from models import PAD, TRANSFORMERS_VERSION, assert_same, build, eos_ids_finishing_at, prompt, stock
+
+CUDA = torch.cuda.is_available()
+requires_cuda = unittest.skipUnless(CUDA, "needs a CUDA device")
+
+
+def count_syncs(fn) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def syncs_per_step(model, ids, mask, new_tokens=24, **kwargs) -> float:
+    def call(n):
+        return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                      pad_token_id=PAD, **kwargs)
+
+    call(new_tokens)()  # warm-up: compilation, allocator, lazy init
+    call(1)()
+    return (count_syncs(call(new_tokens)) - count_syncs(call(1))) / (new_tokens - 1)
+
+
+@requires_cuda
+class CudaFlagOnEqualsStock(unittest.TestCase):
+    @parameterized.expand([
+        (family, sampling, padded, cache)
+        for family in ("llama", "gpt2")
+        for sampling in (False, True)
+        for padded in (False, True)
+        for cache in ("dynamic", "static")
+        if not (family == "gpt2" and cache == "static")
+    ])
+    def test_outputs_match_stock(self, family, sampling, padded, cache):
+        model = build(family, device="cuda")
+        ids, mask = prompt(left_pad=padded, device="cuda")
+        kw = dict(max_new_tokens=12, eos_token_id=eos_ids_finishing_at(model, ids, mask, [2, 5, 4]),
+                  return_dict_in_generate=True, output_scores=True, output_logits=True, pad_token_id=PAD)
+        if sampling:
+            kw.update(do_sample=True, top_k=10)
+        if cache == "static":
+            kw.update(cache_implementation="static", disable_compile=True)
+
+        def run(**extra):
+            torch.manual_seed(3)
+            out = model.generate(ids, attention_mask=mask, **kw, **extra)
+            return out, torch.rand(4, device="cuda")
+
+        with stock():
+            ref, ref_after = run()
+        on, on_after = run(async_stopping_criteria=True)
+        assert_same(self, ref, on)
+        self.assertTrue(torch.equal(ref_after, on_after), "CUDA RNG state after generate() differs")
+
+
+@requires_cuda
+class CudaStreams(unittest.TestCase):
+    def test_criteria_run_on_a_side_stream_and_the_forward_on_the_callers(self):
+        model = build("llama", device="cuda")
+        ids, mask = prompt(device="cuda")
+        seen = {"criteria": set(), "forward": set()}
+
+        class Spy(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                seen["criteria"].add(torch.cuda.current_stream().cuda_stream)
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+        handle = model.register_forward_hook(
+            lambda *a: seen["forward"].add(torch.cuda.current_stream().cuda_stream))
+        caller = torch.cuda.current_stream().cuda_stream
+        try:
+            model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD,
+                           stopping_criteria=StoppingCriteriaList([Spy()]), async_stopping_criteria=True)
+        finally:
+            handle.remove()
+        self.assertEqual(seen["forward"], {caller})
+        self.assertEqual(len(seen["criteria"]), 1)
+        self.assertNotIn(caller, seen["criteria"])
+        self.assertEqual(torch.cuda.current_stream().cuda_stream, caller, "current stream not restored")
+
+
+@requires_cuda
+class CudaNoBlockingSyncPerStep(unittest.TestCase):
+    @parameterized.expand([
+        ("greedy_batch1", dict(batch=1), {}),
+        ("greedy_left_padded", dict(batch=4, left_pad=True), {}),
+        ("sampling", dict(batch=2), dict(do_sample=True, top_k=10)),
+        ("static_no_compile", dict(batch=2), dict(cache_implementation="static", disable_compile=True)),
+        ("static_compiled", dict(batch=1), dict(cache_implementation="static")),
+    ])
+    def test_zero_syncs_per_decode_step_with_the_flag(self, name, prompt_kw, gen_kw):
+        model = build("llama", device="cuda")
+        ids, mask = prompt(device="cuda", **prompt_kw)
+        with stock():
+            stock_syncs = syncs_per_step(model, ids, mask, **gen_kw)
+        on_syncs = syncs_per_step(model, ids, mask, async_stopping_criteria=True, **gen_kw)
+        print(f"\nSYNCS transformers={'.'.join(map(str, TRANSFORMERS_VERSION))} case={name} "
+              f"stock={stock_syncs:.2f} flag_on={on_syncs:.2f}")
+        # the counter sees stock's per-step read, so a zero below is a measurement, not a blind spot
+        self.assertGreaterEqual(stock_syncs, 1.0)
+        self.assertEqual(on_syncs, 0.0)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,16 @@
+"""Make HuggingFace `model.generate()` stop waiting on the GPU.
+
+    import transformers_async_stop
+    model.generate(input_ids, async_stopping_criteria=True)
+
+Importing applies the patches (see `targets.py` for the list); `unpatch()` restores transformers exactly.
+"""
+
+from .config import FORCE_ENV
+from .generation import StockPathWarning
+from .patching import apply, is_patched, skipped, unpatch
+
+__version__ = "0.1.0"
+__all__ = ["apply", "unpatch", "is_patched", "skipped", "StockPathWarning", "FORCE_ENV", "__version__"]
+
+apply()

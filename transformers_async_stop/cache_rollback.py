@@ -1,0 +1,73 @@
+"""Undoing the one extra decode step in a cache the caller will see.
+
+Stock transformers can crop a `DynamicCache` (`Cache.crop(-n)` removes n positions in every 5.x release). It cannot
+crop a `StaticCache` (no `crop`, `is_croppable` is False), which is exactly the cache that makes the flag pay off
+(CUDA graphs). A static layer's extra step wrote one position of its preallocated keys/values and, in 5.17+,
+advanced the device counter `cumulative_length`; in 5.0 the length is derived from which positions are non-zero.
+Zeroing that position and stepping the counter back restores the flag-off state bit for bit (the buffers start
+as zeros and the flag-off run never wrote there).
+
+Sliding-window and recurrent layers overwrite state they cannot give back. 5.17+ can record that state
+(`activate_past_recording`) and `DeferredStopCheck` relies on it; on older releases such a cache, when returned
+to the caller, is reported as not rollbackable and the call runs the stock path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _layers(cache):
+    inner = getattr(cache, "self_attention_cache", None)  # EncoderDecoderCache: the decoder's own cache
+    cache = inner if inner is not None else cache
+    return getattr(cache, "layers", None), cache
+
+
+def _is_static_full(layer) -> bool:
+    return (
+        getattr(layer, "is_compileable", False)
+        and not getattr(layer, "is_sliding", True)
+        and hasattr(layer, "max_cache_len")
+        and hasattr(layer, "keys")
+    )
+
+
+def _is_dynamic_full(layer) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    return type(layer) is DynamicLayer
+
+
+def why_not_rollbackable(cache) -> str | None:
+    """None if one decode step can be undone exactly in `cache`, else the reason (for the warning)."""
+    if cache is None:
+        return None
+    layers, _ = _layers(cache)
+    if layers is None:
+        return f"{type(cache).__name__} has no `.layers`"
+    for layer in layers:
+        if not (_is_static_full(layer) or _is_dynamic_full(layer)):
+            return f"{type(cache).__name__} holds a {type(layer).__name__}, which cannot give back an overwritten step"
+    if len({_is_static_full(layer) for layer in layers}) > 1:
+        return f"{type(cache).__name__} mixes static and dynamic layers"
+    return None
+
+
+def rollback_one_step(cache, kept_length: int) -> None:
+    """Remove position `kept_length` (the extra step) so the cache holds `kept_length` positions, as flag-off."""
+    layers, inner = _layers(cache)
+    if layers and not _is_static_full(layers[0]):
+        # every release: a negative `crop` removes that many positions from every (dynamic) layer
+        inner.crop(-1)
+        return
+    for layer in layers:
+        keys = getattr(layer, "keys", None)
+        if not isinstance(keys, torch.Tensor) or keys.dim() < 3 or kept_length >= keys.shape[-2]:
+            continue  # never initialised, or the extra step could not have written here
+        keys[..., kept_length, :].zero_()
+        layer.values[..., kept_length, :].zero_()
+        counter = getattr(layer, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.sub_(1)  # stays on the device: no read
+        elif isinstance(counter, int) and counter > 0:
+            layer.cumulative_length = counter - 1

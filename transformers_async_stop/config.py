@@ -1,0 +1,71 @@
+"""The `async_stopping_criteria` field of `GenerationConfig`, and the switch that forces the deferred path.
+
+Like every other 5.x generation field (`do_sample`, `output_scores`, ...), the field is stored as `None` while unset,
+so that `model.generation_config` can supply it, and `generate()` resolves an unset value to `False` through
+`GenerationConfig._get_default_generation_params`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+FIELD = "async_stopping_criteria"
+FORCE_ENV = "TRANSFORMERS_ASYNC_STOP_FORCE"
+
+
+def force_deferred() -> bool:
+    """`TRANSFORMERS_ASYNC_STOP_FORCE=1` runs the one-step-late path on any device (CPU tests use it)."""
+    return os.environ.get(FORCE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_flag(value) -> None:
+    # bool is a subclass of int: test the exact type so that 0/1 are refused too
+    if value is not None and type(value) is not bool:
+        raise ValueError(
+            f"`{FIELD}` must be a bool (True or False), got {value!r} of type {type(value).__name__}."
+        )
+
+
+def flag_of(generation_config) -> bool:
+    return getattr(generation_config, FIELD, None) is True
+
+
+def _mark(replacement, original):
+    from .patching import MARKER
+
+    functools.update_wrapper(replacement, original)
+    setattr(replacement, MARKER, True)
+    return replacement
+
+
+def patched_init(original, target):
+    def __init__(self, **kwargs):
+        value = kwargs.pop(FIELD, None)
+        original(self, **kwargs)
+        check_flag(value)
+        setattr(self, FIELD, value)
+
+    return _mark(__init__, original)
+
+
+def patched_validate(original, target):
+    def validate(self, *args, **kwargs):
+        check_flag(getattr(self, FIELD, None))
+        return original(self, *args, **kwargs)
+
+    return _mark(validate, original)
+
+
+def patched_defaults(original, target):
+    def _get_default_generation_params():
+        defaults = original()
+        defaults.setdefault(FIELD, False)
+        return defaults
+
+    return staticmethod(_mark(_get_default_generation_params, original))
+
+
+def class_default(original, target):
+    # A plain value: `update()` checks `hasattr`, so configs created before the import accept the keyword.
+    return None

@@ -1,0 +1,244 @@
+"""Replacements for `GenerationMixin.generate`, `_sample`, `_has_unfinished_sequences` and the modes we leave stock.
+
+Two loop shapes exist across 5.x, and the deferred path fits both without copying the loop:
+- 5.17+: `_sample` builds its stop check from the module global `DeferredStopCheck` and already undoes the steps
+  `finish()` reports (`_undo_generation_steps`). Our subclass (stop_check.py) is that stop check.
+- 5.0-5.16: `_sample` passes the device tensor `unfinished_sequences.max() == 0` to `_has_unfinished_sequences`,
+  which reads it. Ours records it and answers from the previous step's verdict; after the loop this wrapper undoes
+  the extra step in what `_sample` returns.
+In both, the stopping criteria run on a side CUDA stream (`SideStreamCriteria`) and the main stream waits for them
+only when the next step's logits processors run (`JoiningLogitsProcessors`), after the next forward is queued.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import warnings
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+from .cache_rollback import rollback_one_step, why_not_rollbackable
+from .config import FIELD, _mark, check_flag, flag_of, force_deferred
+from .inputs import IN_GENERATE
+from .patching import MARKER
+from .stop_check import ACTIVE, AsyncStop
+
+logger = logging.getLogger("transformers_async_stop")
+
+
+@dataclass
+class _Scope:
+    user_cache: bool = False
+
+
+SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("transformers_async_stop_scope", default=None)
+
+
+class StockPathWarning(UserWarning):
+    """`async_stopping_criteria=True` was asked for where the deferred path cannot run; the stock path ran."""
+
+
+def _warn_stock(reason: str) -> None:
+    warnings.warn(
+        f"async_stopping_criteria=True: {reason}; running the stock generation loop instead "
+        "(identical output, one blocking read per step).",
+        StockPathWarning,
+        stacklevel=4,
+    )
+
+
+# --- generate() ------------------------------------------------------------------------------------------------
+def patched_generate(original, target):
+    def generate(self, *args, **kwargs):
+        if kwargs.get("custom_generate") is not None:
+            config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
+            if kwargs.get(FIELD) is True or (FIELD not in kwargs and flag_of(config)):
+                _warn_stock("a `custom_generate` decoding loop is not ours to defer")
+        if FIELD in kwargs:
+            check_flag(kwargs[FIELD])
+        scope = _Scope(user_cache=kwargs.get("past_key_values") is not None)
+        in_generate = IN_GENERATE.set("cache_position" not in kwargs)
+        scope_token = SCOPE.set(scope)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            SCOPE.reset(scope_token)
+            IN_GENERATE.reset(in_generate)
+
+    return _mark(generate, original)
+
+
+def stock_with_warning(original, target):
+    mode = target.extra["mode"]
+
+    def decoding_method(self, *args, **kwargs):
+        config = kwargs.get("generation_config")
+        if config is not None and flag_of(config) and not getattr(config, "is_assistant", False):
+            _warn_stock(f"{mode} is not made async yet")
+        return original(self, *args, **kwargs)
+
+    return _mark(decoding_method, original)
+
+
+# --- the side stream -------------------------------------------------------------------------------------------
+class SideStreamCriteria(StoppingCriteriaList):
+    """The call's stopping criteria, run on the controller's side stream."""
+
+    def __init__(self, criteria: StoppingCriteriaList, ctl: AsyncStop):
+        super().__init__(criteria)
+        self._ctl = ctl
+
+    def __call__(self, input_ids, scores, **kwargs):
+        last_scores = scores[-1] if isinstance(scores, tuple) and scores else scores
+        read = [t for t in (input_ids, last_scores) if isinstance(t, torch.Tensor)]
+        self._ctl.to_side(*read)
+        return super().__call__(input_ids, scores, **kwargs)
+
+
+class JoiningLogitsProcessors(LogitsProcessorList):
+    """The call's logits processors; first, the main stream waits for the previous step's criteria."""
+
+    def __init__(self, processors: LogitsProcessorList, ctl: AsyncStop):
+        super().__init__(processors)
+        self._ctl = ctl
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self._ctl.join()
+        return super().__call__(input_ids, scores, **kwargs)
+
+
+class LaggedStreamer:
+    """5.0-5.16 only: stock code hands each token to the streamer as it is made; hold it back one step so that the
+    undone extra token is never delivered."""
+
+    def __init__(self, streamer, ctl: AsyncStop):
+        self._streamer = streamer
+        self._ctl = ctl
+        self._held = None
+
+    def put(self, value):
+        if self._held is not None:
+            self._streamer.put(self._held)
+        self._held = value
+
+    def end(self):
+        if self._held is not None and not self._ctl.steps_to_undo:
+            self._streamer.put(self._held)
+        self._held = None
+        self._streamer.end()
+
+    def __getattr__(self, name):
+        return getattr(self._streamer, name)
+
+
+# --- _sample ---------------------------------------------------------------------------------------------------
+def _route_a() -> bool:
+    """5.17+: the module builds its stop check from our `DeferredStopCheck` subclass."""
+    import transformers.generation.utils as gen_utils
+
+    return getattr(getattr(gen_utils, "DeferredStopCheck", None), MARKER, False) is True
+
+
+def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -> str | None:
+    if getattr(generation_config, "is_assistant", False):
+        return ""  # the assistant's own loop inside assisted decoding: silently stock, the caller warned
+    if synced_gpus:
+        return "`synced_gpus=True` is not made async yet"
+    if model.config.is_encoder_decoder:
+        return "encoder-decoder models are not made async yet"
+    if input_ids.device.type != "cuda" and not force_deferred():
+        return ""  # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
+    cache = model_kwargs.get("past_key_values")
+    scope = SCOPE.get()
+    returned = generation_config.return_dict_in_generate or getattr(cache, "_is_user_defined", False) or (
+        scope is not None and scope.user_cache)
+    if returned and cache is not None:
+        reason = why_not_rollbackable(cache)
+        if reason is not None and not (_route_a() and getattr(cache, "is_croppable", False)):
+            return f"the returned cache cannot be rolled back by one step ({reason})"
+    return None
+
+
+def patched_sample(original, target):
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        def stock():
+            return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                            synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
+
+        if not flag_of(generation_config):
+            return stock()
+        reason = _why_stock(self, input_ids, generation_config, synced_gpus, model_kwargs)
+        if reason is not None:
+            if reason:
+                _warn_stock(reason)
+            return stock()
+
+        route_a = _route_a()
+        ctl = AsyncStop(
+            input_ids,
+            stopping_criteria.max_length,
+            do_sample=bool(generation_config.do_sample),
+            streamer=streamer if route_a else None,
+        )
+        ctl.route_a = route_a
+        loop_streamer = streamer if (route_a or streamer is None) else LaggedStreamer(streamer, ctl)
+        token = ACTIVE.set(ctl)
+        try:
+            outputs = original(
+                self,
+                input_ids,
+                JoiningLogitsProcessors(logits_processor, ctl),
+                SideStreamCriteria(stopping_criteria, ctl),
+                generation_config,
+                synced_gpus=synced_gpus,
+                streamer=loop_streamer,
+                **model_kwargs,
+            )
+        finally:
+            ACTIVE.reset(token)
+            ctl.close()
+        if not route_a:
+            outputs = _undo_route_b(ctl, outputs, model_kwargs)
+        return outputs
+
+    return _mark(_sample, original)
+
+
+def patched_has_unfinished_sequences(original, target):
+    def _has_unfinished_sequences(self, this_peer_finished, synced_gpus, device=None, *args, **kwargs):
+        ctl = ACTIVE.get()
+        if ctl is None or synced_gpus or ctl.route_a:
+            return original(self, this_peer_finished, synced_gpus, device, *args, **kwargs)
+        if isinstance(this_peer_finished, torch.Tensor):
+            # 5.0-5.16 call this once per step with the step's verdict as a device tensor
+            ctl.adopt(this_peer_finished)
+            return not ctl.step(this_peer_finished, None, ctl.last_length + 1)
+        if this_peer_finished:
+            return False
+        return True  # the call before the first step
+
+    return _mark(_has_unfinished_sequences, original)
+
+
+def _undo_route_b(ctl: AsyncStop, outputs, model_kwargs):
+    """Undo the extra step in what a 5.0-5.16 `_sample` returned (5.17+ does this itself)."""
+    steps = ctl.finish()
+    if not steps:
+        return outputs
+    cache = getattr(outputs, "past_key_values", None) or model_kwargs.get("past_key_values")
+    if cache is not None and why_not_rollbackable(cache) is None:
+        rollback_one_step(cache, ctl.kept_cache_length)
+    if isinstance(outputs, torch.Tensor):
+        return outputs[..., :-steps]
+    outputs.sequences = outputs.sequences[..., :-steps]
+    for name in ("scores", "logits", "attentions", "hidden_states", "decoder_attentions", "cross_attentions",
+                 "decoder_hidden_states"):
+        recorded = getattr(outputs, name, None)
+        if isinstance(recorded, tuple) and recorded:
+            setattr(outputs, name, recorded[:-steps])
+    return outputs

@@ -1,0 +1,248 @@
+"""The one-step-late stop verdict.
+
+Stock `generate()` asks "has every row finished?" after each step by reading a device tensor on the host
+(`unfinished_sequences.max() == 0`). The read waits for the whole step to finish, so the host cannot queue step
+t+1 while the GPU runs step t. `AsyncStop` instead copies step t's verdict into pinned host memory with a
+non-blocking copy and an event, and decides whether to run step t+1 from step t-1's verdict, whose copy has long
+landed. The cost is one extra step when the verdict says stop; `finish()` reports it so the caller undoes it.
+
+`max_length` needs no device read (it is a host-side count) and stays exact, so no step ever runs past it: a
+StaticCache holds exactly `max_length` positions.
+
+Per `generate()` call: two pinned flag slots (two token slots with a streamer), two copy events and one join event
+are created here, once; the side stream is cached per device. Nothing is allocated per step on the host side
+beyond the RNG snapshot when sampling.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+from .config import _mark
+
+# The controller of the `generate()` call running on this thread/context, if it runs the deferred path.
+ACTIVE: contextvars.ContextVar["AsyncStop | None"] = contextvars.ContextVar("transformers_async_stop_active",
+                                                                           default=None)
+
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+class RngGuard:
+    """Snapshot of the generator that sampling on `device` draws from, to give back the extra step's draws."""
+
+    def __init__(self, device: torch.device):
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.generator = torch.cuda.default_generators[index]
+        else:
+            self.generator = torch.default_generator
+        self.saved = None
+
+    def snapshot(self) -> None:
+        # host-side state (seed, philox offset) on CUDA: no device read
+        self.saved = self.generator.get_state()
+
+    def restore(self) -> None:
+        if self.saved is not None:
+            self.generator.set_state(self.saved)
+
+
+class AsyncStop:
+    """Controller of one deferred `generate()` decode loop."""
+
+    def __init__(self, input_ids: torch.Tensor, max_length: int | None, *, do_sample: bool, streamer=None):
+        self.device = input_ids.device
+        self.cuda = self.device.type == "cuda"
+        self.max_length = max_length
+        self.streamer = streamer
+        batch_size = input_ids.shape[0]
+        pin = self.cuda
+        self._flags = [torch.zeros((), dtype=torch.bool, pin_memory=pin) for _ in range(2)]
+        self._tokens = (
+            [torch.zeros(batch_size, dtype=torch.long, pin_memory=pin) for _ in range(2)] if streamer else None
+        )
+        if self.cuda:
+            self.main = torch.cuda.current_stream(self.device)
+            self.side = side_stream(self.device)
+            self._copied = [torch.cuda.Event() for _ in range(2)]
+            self._criteria_done = torch.cuda.Event()
+        self.rng = RngGuard(self.device) if do_sample else None
+        self.route_a = False  # set by the `_sample` wrapper: which loop shape drives this controller
+        self.steps = 0
+        self.last_length = input_ids.shape[-1]
+        self.stop_reported = False
+        self.steps_to_undo = 0
+        self._on_side = False
+        self._join_pending = False
+
+    # -- streams --------------------------------------------------------------------------------------------
+    def to_side(self, *read: torch.Tensor) -> None:
+        """Run what follows (criteria, the `unfinished_sequences` update, the verdict) on the side stream."""
+        if not self.cuda or self._on_side:
+            return
+        self.side.wait_stream(self.main)  # the criteria read this step's ids and scores
+        for tensor in read:
+            # made on the main stream, read on the side one: keep the allocator from reusing them too early
+            tensor.record_stream(self.side)
+        torch.cuda.set_stream(self.side)
+        self._on_side = True
+
+    def to_main(self) -> None:
+        if self._on_side:
+            self._criteria_done.record(self.side)
+            torch.cuda.set_stream(self.main)
+            self._on_side = False
+            self._join_pending = True
+
+    def join(self) -> None:
+        """Make the main stream wait for the last criteria before it uses `unfinished_sequences` again.
+
+        Called from the logits processor, i.e. after the next forward has been queued: the criteria of step t
+        overlap the forward of step t+1 instead of delaying it.
+        """
+        if self._join_pending:
+            self.main.wait_event(self._criteria_done)
+            self._join_pending = False
+
+    def adopt(self, made_on_side: torch.Tensor) -> None:
+        """A tensor made on the side stream and used next on the main stream."""
+        if self._on_side:
+            made_on_side.record_stream(self.main)
+
+    # -- the verdict ----------------------------------------------------------------------------------------
+    def step(self, finished: torch.Tensor, tokens: torch.Tensor | None, length: int) -> bool:
+        """Record step t's verdict (a device bool), return whether to stop, from step t-1's verdict and `length`."""
+        slot = self.steps % 2
+        self._flags[slot].copy_(finished, non_blocking=True)
+        if self._tokens is not None and tokens is not None:
+            if self._on_side:
+                tokens.record_stream(self.side)
+            self._tokens[slot].copy_(tokens, non_blocking=True)
+        if self.cuda:
+            self._copied[slot].record()
+        self.to_main()
+
+        if self.steps > 0:
+            previous = 1 - slot
+            if self.cuda:
+                # step t-1 finished long ago unless the host is far ahead: this wait bounds run-ahead to one step
+                self._copied[previous].synchronize()
+            if self.streamer is not None and self._tokens is not None:
+                self.streamer.put(self._tokens[previous].clone())
+            self.stop_reported = bool(self._flags[previous])
+        self.steps += 1
+        self.last_length = length
+        stopping = self.stop_reported or (self.max_length is not None and length >= self.max_length)
+        if not stopping and self.rng is not None:
+            self.rng.snapshot()
+        return stopping
+
+    def finish(self) -> int:
+        """Drain the copies; return how many steps (0 or 1) the caller must undo, and undo the RNG draws."""
+        self.close()
+        if self.cuda:
+            for event in self._copied:
+                event.synchronize()
+        self.steps_to_undo = 1 if self.stop_reported else 0
+        if self.streamer is not None and self._tokens is not None and not self.steps_to_undo and self.steps:
+            self.streamer.put(self._tokens[(self.steps - 1) % 2].clone())
+        if self.steps_to_undo and self.rng is not None:
+            self.rng.restore()
+        return self.steps_to_undo
+
+    @property
+    def kept_cache_length(self) -> int:
+        """Positions the flag-off run leaves in the cache: every token but the last returned one."""
+        return self.last_length - self.steps_to_undo - 1
+
+    def close(self) -> None:
+        """Leave the streams as found, also after an exception inside the loop."""
+        if self.cuda:
+            self.to_main()
+            self.join()
+            self.main.wait_stream(self.side)
+
+
+def patched_deferred_class(original, target):
+    from .cache_rollback import rollback_one_step, why_not_rollbackable
+
+    class AsyncDeferredStopCheck(original):
+        """Copied from transformers v5.23.0 `DeferredStopCheck` (identical in 5.17). Differences:
+
+        - used on any device when `async_stopping_criteria=True` (upstream: MPS only); without the flag, or on a
+          call our `_sample` wrapper did not take over, every method is upstream's;
+        - the verdict and the token copy are recorded on the side stream the criteria ran on (see `AsyncStop`);
+        - a StaticCache (not croppable upstream) is rolled back too (`cache_rollback.rollback_one_step`);
+        - sampling's RNG draws of the extra step are given back.
+        """
+
+        @staticmethod
+        def is_supported(device, cache, cache_is_returned, is_assistant, *args, **kwargs):
+            ctl = ACTIVE.get()
+            if ctl is None:
+                return original.is_supported(device, cache, cache_is_returned, is_assistant, *args, **kwargs)
+            # our `_sample` wrapper already checked the cache; an assistant never gets a controller
+            return not is_assistant
+
+        def __init__(self, input_ids, max_length, cache, cache_is_returned, streamer=None, *args, **kwargs):
+            self._ctl = ACTIVE.get()
+            if self._ctl is None:
+                super().__init__(input_ids, max_length, cache, cache_is_returned, streamer, *args, **kwargs)
+                return
+            self.streamer = streamer
+            self._ctl.max_length = max_length
+            self._ctl.streamer = streamer
+            if streamer is not None and self._ctl._tokens is None:
+                pin = self._ctl.cuda
+                self._ctl._tokens = [torch.zeros(input_ids.shape[0], dtype=torch.long, pin_memory=pin)
+                                     for _ in range(2)]
+            self.cache = cache if cache_is_returned else None
+            self._static = self.cache is not None and why_not_rollbackable(self.cache) is None and not getattr(
+                self.cache, "is_croppable", False)
+            self._recorded = self.cache is not None and not self._static
+            if self._recorded:
+                self.cache.activate_past_recording()
+
+        def __call__(self, unfinished_sequences, tokens, length):
+            ctl = self._ctl
+            if ctl is None:
+                return super().__call__(unfinished_sequences, tokens, length)
+            ctl.adopt(unfinished_sequences)
+            stopping = ctl.step(unfinished_sequences.max() == 0, tokens, length)
+            if not stopping and self._recorded:
+                self.cache.crop(0)  # upstream: trim the recorded past back to the window
+            return stopping
+
+        def finish(self):
+            ctl = self._ctl
+            if ctl is None:
+                return super().finish()
+            steps_to_undo = ctl.finish()
+            if self.cache is not None:
+                if self._recorded:
+                    self.cache.crop(-steps_to_undo)
+                    for layer in self.cache.layers:
+                        if hasattr(layer, "record_past"):
+                            layer.record_past = False
+                elif steps_to_undo:
+                    rollback_one_step(self.cache, ctl.kept_cache_length)
+            return steps_to_undo
+
+    AsyncDeferredStopCheck.__name__ = original.__name__
+    AsyncDeferredStopCheck.__qualname__ = original.__qualname__
+    AsyncDeferredStopCheck.__module__ = original.__module__
+    AsyncDeferredStopCheck.__wrapped__ = original
+    from .patching import MARKER
+
+    setattr(AsyncDeferredStopCheck, MARKER, True)
+    return AsyncDeferredStopCheck

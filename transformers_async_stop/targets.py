@@ -1,0 +1,137 @@
+"""The one place that knows which transformers releases have which patch targets.
+
+Every object this package replaces is listed here, with the releases it was seen in and the parameters its
+replacement relies on. At runtime targets are found by feature detection (`hasattr`), never by version string;
+the release ranges are documentation, and the drift test (`tests/test_patching.py`) checks them against the
+installed transformers so that a renamed or re-signed target fails loudly in CI instead of silently unpatching.
+
+Releases read for this table: 5.0.0, 5.17.0 and 5.23.0 (see ../shared/docs/sync-census.md for line numbers).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attribute of one transformers object that this package replaces."""
+
+    name: str  # "module:Owner.attr" or "module:attr", for logs and tests
+    module: str
+    owner: str | None  # class name inside `module`, or None for a module-level function
+    attr: str
+    factory: str  # "submodule:function" in this package that builds the replacement from the original
+    params: tuple[str, ...] = ()  # parameter names the replacement relies on (checked by the drift test)
+    present: str = "5.0+"  # releases it exists in: "5.0+", "5.0-5.16", "5.17+"
+    required: bool = True  # missing while expected -> logged as a warning (else: info)
+    why: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def resolve_owner(self):
+        mod = importlib.import_module(self.module)
+        return getattr(mod, self.owner) if self.owner else mod
+
+
+_GEN = "transformers.generation.utils"
+_MASK = "transformers.masking_utils"
+_CFG = "transformers.generation.configuration_utils"
+
+TARGETS: tuple[Target, ...] = (
+    # --- the flag --------------------------------------------------------------------------------------------
+    Target(
+        "GenerationConfig.__init__", _CFG, "GenerationConfig", "__init__", "config:patched_init",
+        why="accept and store `async_stopping_criteria`",
+    ),
+    Target(
+        "GenerationConfig.validate", _CFG, "GenerationConfig", "validate", "config:patched_validate",
+        why="reject a non-bool flag with an error that names the value",
+    ),
+    Target(
+        "GenerationConfig._get_default_generation_params", _CFG, "GenerationConfig",
+        "_get_default_generation_params", "config:patched_defaults",
+        why="5.x resolves unset (None) fields from this table; ours resolves to False",
+    ),
+    Target(
+        "GenerationConfig.async_stopping_criteria", _CFG, "GenerationConfig", "async_stopping_criteria",
+        "config:class_default", present="new", required=False,
+        why="class-level default so configs built before import still accept the generate() keyword",
+    ),
+    # --- the decode loop -------------------------------------------------------------------------------------
+    Target(
+        "GenerationMixin.generate", _GEN, "GenerationMixin", "generate", "generation:patched_generate",
+        why="scope for the sync-free input preparation; warning for custom_generate",
+    ),
+    Target(
+        "GenerationMixin._sample", _GEN, "GenerationMixin", "_sample", "generation:patched_sample",
+        params=("input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer"),
+        why="runs the loop with the side-stream criteria, the lagged verdict, and undoes the extra step",
+    ),
+    Target(
+        "GenerationMixin._has_unfinished_sequences", _GEN, "GenerationMixin", "_has_unfinished_sequences",
+        "generation:patched_has_unfinished_sequences", params=("this_peer_finished", "synced_gpus", "device"),
+        why="5.0-5.16 pass a device tensor here and read it each step; we read the previous step's verdict",
+    ),
+    Target(
+        "generation.utils.DeferredStopCheck", _GEN, None, "DeferredStopCheck", "stop_check:patched_deferred_class",
+        present="5.17+", required=False,
+        params=("input_ids", "max_length", "cache", "cache_is_returned", "streamer"),
+        why="5.17+ builds its stop check from this module global; ours is sync-free on CUDA, not MPS-only",
+    ),
+    Target(
+        "GenerationMixin._cache_dependant_input_preparation", _GEN, "GenerationMixin",
+        "_cache_dependant_input_preparation", "inputs:patched_cache_dependant_input_preparation",
+        present="5.0-5.16", required=False, params=("input_ids", "inputs_embeds", "cache_position"),
+        why="`cache_position[-1] >= input_ids.shape[1]` reads a device tensor every step",
+    ),
+    Target(
+        "GenerationMixin._update_model_kwargs_for_generation", _GEN, "GenerationMixin",
+        "_update_model_kwargs_for_generation", "masking:patched_update_model_kwargs",
+        params=("outputs", "model_kwargs"),
+        why="tags each grown attention mask with a host-side summary of its padding",
+    ),
+    Target(
+        "GenerationMixin._beam_search", _GEN, "GenerationMixin", "_beam_search", "generation:stock_with_warning",
+        required=False, extra={"mode": "beam search"}, why="not made async yet: stock path, one warning",
+    ),
+    Target(
+        "GenerationMixin._assisted_decoding", _GEN, "GenerationMixin", "_assisted_decoding",
+        "generation:stock_with_warning", required=False, extra={"mode": "assisted decoding"},
+        why="not made async yet: stock path, one warning",
+    ),
+    # --- the SDPA mask-skip check ----------------------------------------------------------------------------
+    Target(
+        "masking_utils._preprocess_mask_arguments", _MASK, None, "_preprocess_mask_arguments",
+        "masking:patched_preprocess_mask_arguments", params=("config", "attention_mask"),
+        why="carries the padding summary across the `.to(torch.bool)` copy",
+    ),
+    Target(
+        "masking_utils.prepare_padding_mask", _MASK, None, "prepare_padding_mask",
+        "masking:patched_prepare_padding_mask", params=("attention_mask", "kv_length", "kv_offset"),
+        why="carries the padding summary across the right-padding to kv_length",
+    ),
+    Target(
+        "masking_utils._ignore_causal_mask_sdpa", _MASK, None, "_ignore_causal_mask_sdpa",
+        "masking:patched_ignore_mask", params=("padding_mask",),
+        why="`padding_mask.all()` / `fast_all(padding_mask)` reads a device tensor every decode step",
+    ),
+    Target(
+        "masking_utils._ignore_bidirectional_mask_sdpa", _MASK, None, "_ignore_bidirectional_mask_sdpa",
+        "masking:patched_ignore_mask", params=("padding_mask",),
+        why="same read, for bidirectional masks built from a tagged mask",
+    ),
+)
+
+
+def present_in(target: Target, version: tuple[int, int]) -> bool | None:
+    """Whether the table expects `target` in release `version` (None: the table makes no claim)."""
+    spec = target.present
+    if spec == "new":
+        return None
+    lo, _, hi = spec.partition("-")
+    lo_v = tuple(int(x) for x in lo.rstrip("+").split("."))
+    if spec.endswith("+"):
+        return version >= lo_v
+    hi_v = tuple(int(x) for x in hi.split("."))
+    return lo_v <= version <= hi_v
