@@ -84,6 +84,18 @@ def stock_with_warning(original, target):
     return _mark(decoding_method, original)
 
 
+def patched_padding_warning(original, target):
+    def warn_if_padding_and_no_attention_mask(self, input_ids, attention_mask, *args, **kwargs):
+        ctl = ACTIVE.get()
+        if ctl is not None and ctl.steps > 0:
+            # a decode step feeds tokens `generate()` made itself, after it dropped an all-ones mask: the prompt
+            # was checked at prefill, and this check would cost a blocking read per step
+            return None
+        return original(self, input_ids, attention_mask, *args, **kwargs)
+
+    return _mark(warn_if_padding_and_no_attention_mask, original)
+
+
 # --- the side stream -------------------------------------------------------------------------------------------
 class SideStreamCriteria(StoppingCriteriaList):
     """The call's stopping criteria, run on the controller's side stream."""

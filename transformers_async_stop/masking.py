@@ -62,7 +62,14 @@ def _tag(tensor, summary: MaskSummary, valid_length: int) -> None:
 
 
 def _tag_of(tensor):
-    return getattr(tensor, _TAG, None) if isinstance(tensor, torch.Tensor) else None
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    tag = getattr(tensor, _TAG, None)
+    base = tensor._base
+    if tag is None and base is not None and base.shape == tensor.shape:
+        # a same-shape view (GPT-2 does `attention_mask.view(batch_size, -1)`) has the same content
+        tag = getattr(base, _TAG, None)
+    return tag
 
 
 def _compiling() -> bool:

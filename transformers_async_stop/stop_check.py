@@ -76,6 +76,8 @@ class AsyncStop:
             self.side = side_stream(self.device)
             self._copied = [torch.cuda.Event() for _ in range(2)]
             self._criteria_done = torch.cuda.Event()
+            # `Stream.wait_stream` creates an event per call; one reused event does the same without the allocation
+            self._main_ready = torch.cuda.Event()
         self.rng = RngGuard(self.device) if do_sample else None
         self.route_a = False  # set by the `_sample` wrapper: which loop shape drives this controller
         self.steps = 0
@@ -90,7 +92,8 @@ class AsyncStop:
         """Run what follows (criteria, the `unfinished_sequences` update, the verdict) on the side stream."""
         if not self.cuda or self._on_side:
             return
-        self.side.wait_stream(self.main)  # the criteria read this step's ids and scores
+        self._main_ready.record(self.main)
+        self.side.wait_event(self._main_ready)  # the criteria read this step's ids and scores
         for tensor in read:
             # made on the main stream, read on the side one: keep the allocator from reusing them too early
             tensor.record_stream(self.side)

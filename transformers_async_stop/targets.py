@@ -100,6 +100,13 @@ TARGETS: tuple[Target, ...] = (
         "generation:stock_with_warning", required=False, extra={"mode": "assisted decoding"},
         why="not made async yet: stock path, one warning",
     ),
+    Target(
+        "PreTrainedModel.warn_if_padding_and_no_attention_mask", "transformers.modeling_utils", "PreTrainedModel",
+        "warn_if_padding_and_no_attention_mask", "generation:patched_padding_warning",
+        params=("input_ids", "attention_mask"),
+        why="`pad_token_id in input_ids[:, [-1, 0]]` reads a device tensor each decode step once 5.18+ drops an "
+            "all-ones mask (GPT-2 and others); with the flag it is checked at prefill only",
+    ),
     # --- the SDPA mask-skip check ----------------------------------------------------------------------------
     Target(
         "masking_utils._preprocess_mask_arguments", _MASK, None, "_preprocess_mask_arguments",

@@ -1,0 +1,118 @@
+"""Modes the deferred loop does not cover yet run stock with one warning and identical output; CPU runs stock."""
+
+from __future__ import annotations
+
+import os
+import unittest
+import warnings
+from unittest import mock
+
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+
+from models import PAD, CountForwards, build, eos_ids_finishing_at, prompt, stock
+from transformers_async_stop import FORCE_ENV, StockPathWarning
+
+
+def generate_with_warnings(model, *args, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        out = model.generate(*args, **kwargs)
+    return out, [w for w in caught if issubclass(w.category, StockPathWarning)]
+
+
+class StockPathWithOneWarning(unittest.TestCase):
+    def assert_stock_with_warning(self, model, mode_words, *args, **kwargs):
+        with stock():
+            torch.manual_seed(0)
+            ref = model.generate(*args, **kwargs)
+        out, caught = generate_with_warnings(model, *args, async_stopping_criteria=True, **kwargs)
+        self.assertEqual(len(caught), 1, [str(w.message) for w in caught])
+        self.assertIn(mode_words, str(caught[0].message))
+        self.assertListEqual(ref.tolist(), out.tolist())
+
+    def test_beam_search(self):
+        model = build("llama")
+        ids, mask = prompt()
+        self.assert_stock_with_warning(model, "beam search", ids, attention_mask=mask, num_beams=3,
+                                       num_return_sequences=2, max_new_tokens=6, pad_token_id=PAD)
+
+    def test_beam_sampling(self):
+        model = build("llama")
+        ids, mask = prompt()
+        self.assert_stock_with_warning(model, "beam search", ids, attention_mask=mask, num_beams=2, do_sample=True,
+                                       max_new_tokens=6, pad_token_id=PAD)
+
+    def test_assisted_decoding(self):
+        model, assistant = build("llama"), build("llama", seed=5)
+        ids, mask = prompt(batch=1)
+        self.assert_stock_with_warning(model, "assisted decoding", ids, attention_mask=mask,
+                                       assistant_model=assistant, max_new_tokens=8, pad_token_id=PAD)
+
+    def test_prompt_lookup(self):
+        model = build("llama")
+        ids, mask = prompt(batch=1)
+        self.assert_stock_with_warning(model, "assisted decoding", ids, attention_mask=mask,
+                                       prompt_lookup_num_tokens=2, max_new_tokens=8, pad_token_id=PAD)
+
+    def test_encoder_decoder(self):
+        torch.manual_seed(0)
+        config = T5Config(vocab_size=48, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+        model = T5ForConditionalGeneration(config).eval()
+        ids, mask = prompt()
+        self.assert_stock_with_warning(model, "encoder-decoder", ids, attention_mask=mask, max_new_tokens=6)
+
+
+class OtherDevices(unittest.TestCase):
+    def test_cpu_without_force_runs_stock_silently(self):
+        model = build("llama")
+        ids, mask = prompt()
+        eos = eos_ids_finishing_at(model, ids, mask, [1, 2, 2])
+        with mock.patch.dict(os.environ, {FORCE_ENV: "0"}):
+            counter = CountForwards(model)
+            out, caught = generate_with_warnings(model, ids, attention_mask=mask, max_new_tokens=10,
+                                                 eos_token_id=eos, pad_token_id=PAD, async_stopping_criteria=True)
+            counter.close()
+        with stock():
+            counter = CountForwards(model)
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos, pad_token_id=PAD)
+            counter_ref = counter.count
+            counter.close()
+        self.assertEqual(caught, [])
+        self.assertListEqual(ref.tolist(), out.tolist())
+        self.assertEqual(counter.count, counter_ref)  # no lag on CPU: nothing to gain there
+
+
+class Failures(unittest.TestCase):
+    def test_a_raising_criterion_propagates_and_the_next_call_works(self):
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class Boom(StoppingCriteria):
+            def __init__(self):
+                self.calls = 0
+
+            def __call__(self, input_ids, scores, **kwargs):
+                self.calls += 1
+                if self.calls == 3:
+                    raise RuntimeError("boom")
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        model = build("llama")
+        ids, mask = prompt()
+        with self.assertRaisesRegex(RuntimeError, "boom"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD,
+                           stopping_criteria=StoppingCriteriaList([Boom()]), async_stopping_criteria=True)
+        from transformers_async_stop.stop_check import ACTIVE
+
+        self.assertIsNone(ACTIVE.get())
+        with stock():
+            ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD,
+                             async_stopping_criteria=True)
+        self.assertListEqual(ref.tolist(), out.tolist())
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,123 @@
+"""apply()/unpatch()/is_patched(): identity, idempotence, and drift against the installed transformers."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import subprocess
+import sys
+import textwrap
+import unittest
+
+from parameterized import parameterized
+
+import transformers_async_stop as tas
+from transformers_async_stop import patching
+from transformers_async_stop.targets import TARGETS, Target, present_in
+
+from models import TRANSFORMERS_VERSION
+
+TARGETS_FILE = inspect.getsourcefile(importlib.import_module("transformers_async_stop.targets"))
+
+
+class ApplyUnpatch(unittest.TestCase):
+    def test_unpatch_restores_the_very_same_objects_and_apply_patches_again(self):
+        # A fresh interpreter sees transformers' own objects before our import touches them.
+        script = textwrap.dedent(f"""
+            import importlib, importlib.util
+            # read the target table without importing the package (whose import patches)
+            spec = importlib.util.spec_from_file_location("targets_only", {str(TARGETS_FILE)!r})
+            targets_only = importlib.util.module_from_spec(spec)
+            import sys; sys.modules["targets_only"] = targets_only
+            spec.loader.exec_module(targets_only)
+            TARGETS = targets_only.TARGETS
+            def raw():
+                found = {{}}
+                for t in TARGETS:
+                    owner = t.resolve_owner()
+                    found[t.name] = vars(owner).get(t.attr, "<absent>")
+                return found
+            import transformers.generation.utils, transformers.masking_utils
+            before = raw()
+            import transformers_async_stop as tas
+            patched = raw()
+            changed = [n for n in before if before[n] is not patched[n]]
+            assert changed, "nothing was patched"
+            assert tas.is_patched()
+            assert tas.apply() == [], "a second apply() must be a no-op"
+            importlib.reload(tas)  # a second import runs apply() again
+            again = raw()
+            assert all(again[n] is patched[n] for n in patched), "re-import replaced patches"
+            tas.unpatch()
+            assert not tas.is_patched()
+            restored = raw()
+            wrong = [n for n in before if restored[n] is not before[n]]
+            assert not wrong, f"not restored exactly: {{wrong}}"
+            tas.apply()
+            assert all(raw()[n] is not before[n] for n in changed), "apply() after unpatch() did not patch"
+            print("CHANGED", len(changed))
+        """)
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        self.assertIn("CHANGED", result.stdout)
+
+    def test_patched_methods_keep_name_signature_and_original(self):
+        from transformers.generation.utils import GenerationMixin
+
+        for name in ("generate", "_sample", "_has_unfinished_sequences"):
+            patched = getattr(GenerationMixin, name)
+            self.assertEqual(patched.__name__, name)
+            self.assertTrue(hasattr(patched, "__wrapped__"))
+            self.assertEqual(inspect.signature(patched), inspect.signature(patched.__wrapped__))
+
+    def test_a_missing_target_is_logged_once_not_raised(self):
+        ghost = Target("GenerationMixin._ghost", "transformers.generation.utils", "GenerationMixin",
+                       "_ghost_target_removed_upstream", "generation:patched_generate", why="test")
+        saved = patching.TARGETS
+        patching.TARGETS = saved + (ghost,)
+        try:
+            with self.assertLogs("transformers_async_stop", level=logging.WARNING) as logs:
+                patching.apply()
+                patching.apply()
+            self.assertEqual(sum("_ghost_target_removed_upstream" in line or "GenerationMixin._ghost" in line
+                                 for line in logs.output), 1)
+            self.assertIn("GenerationMixin._ghost", tas.skipped())
+        finally:
+            patching.TARGETS = saved
+            patching._SKIPPED.pop("GenerationMixin._ghost", None)
+
+
+class Drift(unittest.TestCase):
+    """Fails loudly when transformers renames, removes, or re-signs a target this release is expected to have."""
+
+    @parameterized.expand([(t.name, t) for t in TARGETS])
+    def test_target_matches_the_installed_transformers(self, name, target):
+        expected = present_in(target, TRANSFORMERS_VERSION)
+        owner = target.resolve_owner()
+        if expected is None:
+            return  # a field we add: nothing upstream to drift
+        original = patching.original(target.name)
+        if not expected:
+            self.assertIsNone(original, f"{name} is back in transformers {TRANSFORMERS_VERSION}: update targets.py")
+            return
+        self.assertIsNotNone(original, f"{name} is gone from transformers {TRANSFORMERS_VERSION}: update targets.py")
+        self.assertTrue(hasattr(owner, target.attr))
+        if target.params:
+            params = inspect.signature(original.__init__ if inspect.isclass(original) else original).parameters
+            missing = [p for p in target.params if p not in params]
+            self.assertFalse(missing, f"{name} lost parameters {missing}: its replacement relies on them")
+
+    def test_every_expected_target_is_patched(self):
+        patched = {entry[0] for entry in patching._ORIGINALS.values()}
+        for target in TARGETS:
+            if present_in(target, TRANSFORMERS_VERSION):
+                self.assertIn(target.name, patched)
+
+    def test_reload_keeps_the_registry(self):
+        importlib.reload(tas)
+        self.assertTrue(tas.is_patched())
+
+
+if __name__ == "__main__":
+    unittest.main()
