@@ -74,8 +74,30 @@ class CudaFlagOnEqualsStock(unittest.TestCase):
         self.assertTrue(torch.equal(ref_after, on_after), "CUDA RNG state after generate() differs")
 
 
+class SlowOnItsStream(StoppingCriteria):
+    """Stalls the stream it runs on (about a millisecond) so the main stream races ahead of the side stream."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        torch.cuda._sleep(2_000_000)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @requires_cuda
 class CudaStreams(unittest.TestCase):
+    @parameterized.expand([("batch1", 1), ("batch8", 8), ("batch32", 32)])
+    def test_slow_criteria_do_not_race_the_main_stream(self, _, batch):
+        """A lagging side stream must not see memory the main stream reused (upstream-style allocator races)."""
+        model = build("llama", device="cuda")
+        ids = torch.randint(3, 40, (batch, 6), device="cuda", generator=None)
+        mask = torch.ones_like(ids)
+        kw = dict(max_new_tokens=10, eos_token_id=eos_ids_finishing_at(model, ids, mask, [3] * batch),
+                  stopping_criteria=StoppingCriteriaList([SlowOnItsStream()]), pad_token_id=PAD,
+                  return_dict_in_generate=True, output_scores=True)
+        with stock():
+            ref = model.generate(ids, attention_mask=mask, **kw)
+        on = model.generate(ids, attention_mask=mask, async_stopping_criteria=True, **kw)
+        assert_same(self, ref, on)
+
     def test_criteria_run_on_a_side_stream_and_the_forward_on_the_callers(self):
         model = build("llama", device="cuda")
         ids, mask = prompt(device="cuda")

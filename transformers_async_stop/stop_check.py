@@ -74,10 +74,12 @@ class AsyncStop:
         if self.cuda:
             self.main = torch.cuda.current_stream(self.device)
             self.side = side_stream(self.device)
+            # one event per slot marks the end of a step's side-stream work (criteria, update, verdict copy): the
+            # host waits on the previous slot, the main stream on the current one
             self._copied = [torch.cuda.Event() for _ in range(2)]
-            self._criteria_done = torch.cuda.Event()
             # `Stream.wait_stream` creates an event per call; one reused event does the same without the allocation
             self._main_ready = torch.cuda.Event()
+            self._pending = None
         self.rng = RngGuard(self.device) if do_sample else None
         self.route_a = False  # set by the `_sample` wrapper: which loop shape drives this controller
         self.steps = 0
@@ -85,7 +87,6 @@ class AsyncStop:
         self.stop_reported = False
         self.steps_to_undo = 0
         self._on_side = False
-        self._join_pending = False
 
     # -- streams --------------------------------------------------------------------------------------------
     def to_side(self, *read: torch.Tensor) -> None:
@@ -100,12 +101,21 @@ class AsyncStop:
         torch.cuda.set_stream(self.side)
         self._on_side = True
 
-    def to_main(self) -> None:
-        if self._on_side:
-            self._criteria_done.record(self.side)
-            torch.cuda.set_stream(self.main)
-            self._on_side = False
-            self._join_pending = True
+    def to_main(self, done: "torch.cuda.Event | None" = None) -> None:
+        """Back to the main stream; `done` (recorded on the side stream) is what the main stream must wait for."""
+        if not self._on_side:
+            return
+        if done is None:
+            done = self._copied[self.steps % 2]
+        done.record(self.side)
+        torch.cuda.set_stream(self.main)
+        self._on_side = False
+        self._pending = done
+        if self.steps == 0:
+            # The first update read `unfinished_sequences` from the main stream's memory pool: once Python drops
+            # it, the main stream may reuse that memory before the side stream has read it. Wait here, once;
+            # later verdicts live in the side stream's pool (and are `record_stream`ed for the main one).
+            self.join()
 
     def join(self) -> None:
         """Make the main stream wait for the last criteria before it uses `unfinished_sequences` again.
@@ -113,9 +123,9 @@ class AsyncStop:
         Called from the logits processor, i.e. after the next forward has been queued: the criteria of step t
         overlap the forward of step t+1 instead of delaying it.
         """
-        if self._join_pending:
-            self.main.wait_event(self._criteria_done)
-            self._join_pending = False
+        if self.cuda and self._pending is not None:
+            self.main.wait_event(self._pending)
+            self._pending = None
 
     def adopt(self, made_on_side: torch.Tensor) -> None:
         """A tensor made on the side stream and used next on the main stream."""
@@ -132,8 +142,10 @@ class AsyncStop:
                 tokens.record_stream(self.side)
             self._tokens[slot].copy_(tokens, non_blocking=True)
         if self.cuda:
-            self._copied[slot].record()
-        self.to_main()
+            if self._on_side:
+                self.to_main(self._copied[slot])
+            else:
+                self._copied[slot].record()
 
         if self.steps > 0:
             previous = 1 - slot
