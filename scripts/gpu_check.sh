@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: CUDA tests on transformers 5.0.0, 5.17.0 and 5.23.0, stream-op costs, benchmark.
 #   bash scripts/gpu_check.sh [tests|bench|all] [extra bench args for 5.23...]
+# Environment: VERSIONS="t500 t517 t523" (which releases), BENCH_OLD_CASES (cases for 5.0/5.17),
+#              BENCH_TRACE=1 (Chrome traces of the 5.23 cases)
 # transformers 5.17.0 is the device image's own; 5.0.0 and 5.23.0 travel as wheels in .whl/ (docs/gpu-runs.md).
 # Everything lands in $OUT/gpu-check.tgz (the device returns at most 8 files); the summary goes to stdout.
 set -u
@@ -22,7 +24,7 @@ site() {  # the carried wheels of one transformers release, in a folder of their
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 scripts/stream_overhead.py | tee "$out/stream_overhead.txt"
 fi
-for tag in t500 t517 t523; do
+for tag in ${VERSIONS:-t500 t517 t523}; do
   case $tag in t517) dir=$(site common) ;; *) dir=$(site $tag) ;; esac
   export PYTHONPATH="$dir:$PWD"
   ver=$(python3 -c "import transformers; print(transformers.__version__)")
@@ -33,6 +35,7 @@ for tag in t500 t517 t523; do
   fi
   if [ "$what" = bench ] || [ "$what" = all ]; then
     if [ "$tag" = t523 ]; then args=("$@"); else args=(--cases "${BENCH_OLD_CASES:-tiny-llama,gpt2}"); fi
+    [ -n "${BENCH_TRACE:-}" ] && [ "$tag" = t523 ] && args+=(--trace "$out/traces")
     python3 -m transformers_async_stop.bench "${args[@]}" --json "$out/bench_$ver.json" \
       --markdown "$out/bench_$ver.md" --png "$out/bench_$ver.png" 2>"$out/bench_$ver.log" | tee "$out/bench_$ver.txt"
   fi

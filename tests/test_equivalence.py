@@ -18,6 +18,26 @@ FAMILIES = ("llama", "gpt2", "qwen2")
 FULL_OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, output_hidden_states=True)
 
 
+class StopWhenLongEnoughAsPythonBool(StoppingCriteria):
+    """A legacy user criterion that returns a Python bool (a host read the user brought in)."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids.shape[1] >= self.length
+
+
+class StopOnTokenAsLong(StoppingCriteria):
+    """A user criterion that returns a long tensor (stock promotes the combined verdict to long)."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, -1] == self.token).long()
+
+
 class StopOnToken(StoppingCriteria):
     """A user criterion that returns a per-row bool tensor."""
 
@@ -63,13 +83,20 @@ def _scenario(name, model, family):
         token = eos_ids_finishing_at(model, ids, mask, [3, 3, 3])[0]
         kw["stopping_criteria"] = StoppingCriteriaList([StopOnToken(token)])
         kw["eos_token_id"] = None
+    elif name == "user_criterion_python_bool":
+        kw["stopping_criteria"] = StoppingCriteriaList([StopWhenLongEnoughAsPythonBool(PROMPT_LEN + 5)])
+    elif name == "user_criterion_long_tensor":
+        token = eos_ids_finishing_at(model, ids, mask, [2, 4, 6])[0]
+        kw["stopping_criteria"] = StoppingCriteriaList([StopOnTokenAsLong(token)])
+        kw["eos_token_id"] = None
     if name == "sampling":
         kw.update(do_sample=True, top_k=20, temperature=1.3)
     return ids, mask, kw, early
 
 
 SCENARIOS = ("eos_rows_differ", "eos_all_rows_same_step", "eos_never", "max_length", "min_new_tokens",
-             "left_padding", "user_criterion_tensor", "sampling")
+             "left_padding", "user_criterion_tensor", "user_criterion_python_bool", "user_criterion_long_tensor",
+             "sampling")
 
 
 class FlagOnEqualsStock(unittest.TestCase):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
 
 from .cache_rollback import rollback_one_step, why_not_rollbackable
 from .config import FIELD, _mark, check_flag, flag_of, force_deferred
@@ -98,17 +98,44 @@ def patched_padding_warning(original, target):
 
 # --- the side stream -------------------------------------------------------------------------------------------
 class SideStreamCriteria(StoppingCriteriaList):
-    """The call's stopping criteria, run on the controller's side stream."""
+    """The call's stopping criteria, run on the controller's side stream.
+
+    Differences from `StoppingCriteriaList.__call__` (v5.0-v5.23, identical there): `MaxLengthCriteria` is skipped
+    while it can only say "not yet" or fire its `max_position_embeddings` warning is impossible, because the
+    deferred loop decides `max_length` on the host, exactly, at the same step; and the first result seeds the
+    reduction instead of a `torch.full` of False. Both save kernel launches and host time every step.
+    """
 
     def __init__(self, criteria: StoppingCriteriaList, ctl: AsyncStop):
         super().__init__(criteria)
         self._ctl = ctl
+        self._max_length = criteria.max_length
+
+    @property
+    def max_length(self):
+        return self._max_length
 
     def __call__(self, input_ids, scores, **kwargs):
         last_scores = scores[-1] if isinstance(scores, tuple) and scores else scores
         read = [t for t in (input_ids, last_scores) if isinstance(t, torch.Tensor)]
         self._ctl.to_side(*read)
-        return super().__call__(input_ids, scores, **kwargs)
+        length = input_ids.shape[-1]
+        is_done = None
+        for criteria in self:
+            if isinstance(criteria, MaxLengthCriteria) and length < criteria.max_length and (
+                getattr(criteria, "max_position_embeddings", None) is None
+                or length < criteria.max_position_embeddings
+            ):
+                continue
+            done = criteria(input_ids, scores, **kwargs)
+            if is_done is None and not (isinstance(done, torch.Tensor) and done.dtype == torch.bool
+                                        and done.shape == (input_ids.shape[0],)):
+                # anything but a per-row bool tensor combines with stock's all-False seed (bools, other dtypes)
+                is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            is_done = done if is_done is None else is_done | done
+        if is_done is None:
+            is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return is_done
 
 
 class JoiningLogitsProcessors(LogitsProcessorList):
