@@ -146,3 +146,70 @@ class CudaNoBlockingSyncPerStep(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@requires_cuda
+class CudaEndurance(unittest.TestCase):
+    def test_a_thousand_calls_grow_no_memory_events_or_streams(self):
+        import gc
+
+        from transformers_async_stop import stop_check
+
+        model = build("llama", device="cuda")
+        ids, mask = prompt(device="cuda")
+        eos = eos_ids_finishing_at(model, ids, mask, [1, 2, 3])
+        kw = dict(attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=PAD,
+                  async_stopping_criteria=True)
+
+        def live_events():
+            gc.collect()
+            return sum(isinstance(o, torch.cuda.Event) for o in gc.get_objects())
+
+        def pinned_bytes():
+            stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+            return stats.get("allocated_bytes.current", stats.get("allocated_bytes", {}).get("current", 0))
+
+        for _ in range(20):
+            model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        before = (torch.cuda.memory_allocated(), live_events(), pinned_bytes(), len(stop_check._SIDE_STREAMS))
+        first = model.generate(ids, **kw)
+        for _ in range(1000):
+            out = model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        after = (torch.cuda.memory_allocated(), live_events(), pinned_bytes(), len(stop_check._SIDE_STREAMS))
+        self.assertEqual(before, after, "(GPU bytes, live CUDA events, pinned host bytes, side streams)")
+        self.assertListEqual(first.tolist(), out.tolist())
+
+    def test_two_threads_with_two_models_match_running_alone(self):
+        import threading
+
+        models = {"llama": build("llama", device="cuda"), "gpt2": build("gpt2", device="cuda")}
+        ids, mask = prompt(device="cuda")
+        eos = {name: eos_ids_finishing_at(m, ids, mask, [2, 3, 5]) for name, m in models.items()}
+
+        def run(name, n=30):
+            return [models[name].generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos[name],
+                                          pad_token_id=PAD, async_stopping_criteria=True).tolist()
+                    for _ in range(n)]
+
+        with stock():
+            alone = {name: models[name].generate(ids, attention_mask=mask, max_new_tokens=10,
+                                                 eos_token_id=eos[name], pad_token_id=PAD).tolist()
+                     for name in models}
+        results, errors = {}, []
+
+        def worker(name):
+            try:
+                results[name] = run(name)
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(name,)) for name in models]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+        for name in models:
+            self.assertTrue(all(r == alone[name] for r in results[name]), name)

@@ -195,3 +195,40 @@ class SeededSamplingContinues(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class SlidingWindowCache(unittest.TestCase):
+    """A window smaller than the generation, so the cache overwrites state: exact on every release, deferred where
+    the cache can record its past (5.17+), stock with one warning where it cannot and the cache is returned."""
+
+    def test_returned_sliding_window_cache_matches_stock(self):
+        import warnings
+
+        from transformers_async_stop import StockPathWarning
+
+        model = build("mistral", sliding_window=4)
+        ids, mask = prompt()
+        kw = dict(max_new_tokens=12, eos_token_id=eos_ids_finishing_at(model, ids, mask, [3, 6, 5]),
+                  **FULL_OUTPUTS)
+        with stock():
+            ref, ref_after, ref_forwards = _run(model, ids, mask, None, **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            on, on_after, on_forwards = _run(model, ids, mask, True, **kw)
+        assert_same(self, ref, on)
+        self.assertTrue(torch.equal(ref_after, on_after))
+        stock_path = [w for w in caught if issubclass(w.category, StockPathWarning)]
+        deferred = on_forwards == ref_forwards + 1
+        self.assertNotEqual(bool(stock_path), deferred, "either deferred, or stock with a warning")
+        self.assertLessEqual(len(stock_path), 1)
+
+    def test_sliding_window_cache_not_returned_is_deferred(self):
+        model = build("mistral", sliding_window=4)
+        ids, mask = prompt()
+        kw = dict(max_new_tokens=12, eos_token_id=eos_ids_finishing_at(model, ids, mask, [3, 6, 5]))
+        with stock():
+            ref, _, ref_forwards = _run(model, ids, mask, None, **kw)
+        on, _, on_forwards = _run(model, ids, mask, True, **kw)
+        self.assertListEqual(ref.tolist(), on.tolist())
+        if ref.shape[1] < ids.shape[1] + 12:
+            self.assertEqual(on_forwards, ref_forwards + 1)

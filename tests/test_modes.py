@@ -116,3 +116,25 @@ class Failures(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class UserCriteriaThatReadTheDevice(unittest.TestCase):
+    def test_a_criterion_returning_a_python_bool_is_exact_and_named_in_one_warning(self):
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class LegacyLengthCheck(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return bool(input_ids.shape[1] >= 10)
+
+        model = build("llama")
+        ids, mask = prompt()
+        kw = dict(attention_mask=mask, max_new_tokens=8, pad_token_id=PAD,
+                  stopping_criteria=StoppingCriteriaList([LegacyLengthCheck()]))
+        with stock():
+            ref = model.generate(ids, **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model.generate(ids, async_stopping_criteria=True, **kw)
+        named = [w for w in caught if "LegacyLengthCheck" in str(w.message)]
+        self.assertEqual(len(named), 1)
+        self.assertListEqual(ref.tolist(), out.tolist())

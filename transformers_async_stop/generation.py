@@ -128,6 +128,8 @@ class SideStreamCriteria(StoppingCriteriaList):
             ):
                 continue
             done = criteria(input_ids, scores, **kwargs)
+            if not isinstance(done, torch.Tensor):
+                self._ctl.warn_host_verdict(criteria)
             if is_done is None and not (isinstance(done, torch.Tensor) and done.dtype == torch.bool
                                         and done.shape == (input_ids.shape[0],)):
                 # anything but a per-row bool tensor combines with stock's all-False seed (bools, other dtypes)
@@ -165,7 +167,8 @@ class LaggedStreamer:
         self._held = value
 
     def end(self):
-        if self._held is not None and not self._ctl.steps_to_undo:
+        # stock calls end() inside `_sample`, before our `finish()`: the verdict that ended the loop decides
+        if self._held is not None and not self._ctl.stop_reported:
             self._streamer.put(self._held)
         self._held = None
         self._streamer.end()
@@ -182,6 +185,22 @@ def _route_a() -> bool:
     return getattr(getattr(gen_utils, "DeferredStopCheck", None), MARKER, False) is True
 
 
+def _cache_is_returned(generation_config, model_kwargs) -> bool:
+    """The cache outlives `generate()`: returned in the output, or an object the caller passed in."""
+    cache = model_kwargs.get("past_key_values")
+    scope = SCOPE.get()
+    return bool(generation_config.return_dict_in_generate or getattr(cache, "_is_user_defined", False)
+                or (scope is not None and scope.user_cache))
+
+
+def cache_blocks_deferral(cache, route_a: bool) -> str | None:
+    """Why a cache the caller will see cannot take the deferred path (None: it can)."""
+    reason = why_not_rollbackable(cache)
+    if reason is None or (route_a and getattr(cache, "is_croppable", False)):
+        return None  # 5.17+ records a croppable cache's past (`activate_past_recording`) and crops it back
+    return f"the returned cache cannot be rolled back by one step ({reason})"
+
+
 def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -> str | None:
     if getattr(generation_config, "is_assistant", False):
         return ""  # the assistant's own loop inside assisted decoding: silently stock, the caller warned
@@ -192,13 +211,8 @@ def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -
     if input_ids.device.type != "cuda" and not force_deferred():
         return ""  # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
     cache = model_kwargs.get("past_key_values")
-    scope = SCOPE.get()
-    returned = generation_config.return_dict_in_generate or getattr(cache, "_is_user_defined", False) or (
-        scope is not None and scope.user_cache)
-    if returned and cache is not None:
-        reason = why_not_rollbackable(cache)
-        if reason is not None and not (_route_a() and getattr(cache, "is_croppable", False)):
-            return f"the returned cache cannot be rolled back by one step ({reason})"
+    if cache is not None and _cache_is_returned(generation_config, model_kwargs):
+        return cache_blocks_deferral(cache, _route_a())
     return None
 
 
@@ -225,6 +239,7 @@ def patched_sample(original, target):
             streamer=streamer if route_a else None,
         )
         ctl.route_a = route_a
+        ctl.cache_returned = _cache_is_returned(generation_config, model_kwargs)
         loop_streamer = streamer if (route_a or streamer is None) else LaggedStreamer(streamer, ctl)
         token = ACTIVE.set(ctl)
         try:

@@ -23,6 +23,7 @@ import inspect
 import torch
 
 from .config import _mark, force_deferred
+from .stop_check import ACTIVE
 
 _TAG = "_transformers_async_stop_mask"
 
@@ -85,6 +86,9 @@ def patched_update_model_kwargs(original, target):
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         before = model_kwargs.get("attention_mask")
         updated = original(self, outputs, model_kwargs, *args, **kwargs)
+        ctl = ACTIVE.get()
+        if ctl is not None and isinstance(updated, dict):
+            ctl.see_cache(updated.get("past_key_values"))
         after = updated.get("attention_mask") if isinstance(updated, dict) else None
         if (
             isinstance(before, torch.Tensor)

@@ -17,6 +17,7 @@ beyond the RNG snapshot when sampling.
 from __future__ import annotations
 
 import contextvars
+import warnings
 
 import torch
 
@@ -87,6 +88,41 @@ class AsyncStop:
         self.stop_reported = False
         self.steps_to_undo = 0
         self._on_side = False
+        self._warned: set[str] = set()
+        # A cache created inside the loop (5.0-5.16 build it in the first forward) is only seen after prefill;
+        # if the caller will see it and it cannot give a step back, the loop reads each verdict at once instead
+        self.cache_returned = False
+        self.synchronous = False
+        self._cache_seen = False
+
+    def warn_host_verdict(self, criteria) -> None:
+        """A user criterion answered with a Python value: it read the device itself, every step."""
+        name = type(criteria).__name__
+        if name in self._warned:
+            return
+        self._warned.add(name)
+        warnings.warn(
+            f"async_stopping_criteria=True: stopping criterion {name} returned a "
+            "Python value instead of a per-row bool tensor; computing it most likely read a device tensor on the "
+            "host (a blocking sync every step) that the flag cannot remove. Results stay exact. Return "
+            "`torch.BoolTensor` of shape (batch_size,) to make it sync-free.",
+            UserWarning,
+            stacklevel=5,
+        )
+
+    def see_cache(self, cache) -> None:
+        """Called with the loop's cache after the first forward (see `masking.patched_update_model_kwargs`)."""
+        if self._cache_seen or cache is None:
+            return
+        self._cache_seen = True
+        if not self.cache_returned:
+            return
+        from .generation import cache_blocks_deferral, _warn_stock
+
+        reason = cache_blocks_deferral(cache, self.route_a)
+        if reason is not None and self.steps == 0:
+            self.synchronous = True
+            _warn_stock(reason)
 
     # -- streams --------------------------------------------------------------------------------------------
     def to_side(self, *read: torch.Tensor) -> None:
@@ -135,6 +171,8 @@ class AsyncStop:
     # -- the verdict ----------------------------------------------------------------------------------------
     def step(self, finished: torch.Tensor, tokens: torch.Tensor | None, length: int) -> bool:
         """Record step t's verdict (a device bool), return whether to stop, from step t-1's verdict and `length`."""
+        if self.synchronous:
+            return self._step_now(finished, tokens, length)
         slot = self.steps % 2
         self._flags[slot].copy_(finished, non_blocking=True)
         if self._tokens is not None and tokens is not None:
@@ -161,6 +199,16 @@ class AsyncStop:
         if not stopping and self.rng is not None:
             self.rng.snapshot()
         return stopping
+
+    def _step_now(self, finished: torch.Tensor, tokens: torch.Tensor | None, length: int) -> bool:
+        """Stock behaviour: read this step's verdict now (a blocking read on CUDA); nothing to undo later."""
+        self.to_main()
+        self.join()  # the verdict was computed on the side stream
+        if self.streamer is not None and tokens is not None:
+            self.streamer.put(tokens.cpu())
+        self.steps += 1
+        self.last_length = length
+        return bool(finished) or (self.max_length is not None and length >= self.max_length)
 
     def finish(self) -> int:
         """Drain the copies; return how many steps (0 or 1) the caller must undo, and undo the RNG draws."""
