@@ -89,7 +89,8 @@ TARGETS: tuple[Target, ...] = (
         "GenerationMixin._update_model_kwargs_for_generation", _GEN, "GenerationMixin",
         "_update_model_kwargs_for_generation", "masking:patched_update_model_kwargs",
         params=("outputs", "model_kwargs"),
-        why="tags each grown attention mask with a host-side summary of its padding",
+        why="tags each grown attention mask with a host-side summary of its padding; shows the deferred loop its "
+            "cache after the first forward (5.0-5.16 create it there)",
     ),
     Target(
         "GenerationMixin._beam_search", _GEN, "GenerationMixin", "_beam_search", "generation:stock_with_warning",
