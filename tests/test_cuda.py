@@ -143,6 +143,44 @@ class CudaNoBlockingSyncPerStep(unittest.TestCase):
         self.assertGreaterEqual(stock_syncs, 1.0)
         self.assertEqual(on_syncs, 0.0)
 
+    def test_streaming_is_sync_free_where_the_release_lets_it(self):
+        """5.17+: tokens reach the streamer through pinned memory. 5.0-5.16: stock's own `tokens.cpu()` remains."""
+        from transformers.generation.streamers import BaseStreamer
+
+        import transformers.generation.utils as gen_utils
+
+        class Collect(BaseStreamer):
+            def __init__(self):
+                self.tokens = []
+
+            def put(self, value):
+                self.tokens.append(value)
+
+            def end(self):
+                pass
+
+        model = build("llama", device="cuda")
+        ids, mask = prompt(batch=1, device="cuda")
+        with stock():
+            stock_syncs = syncs_per_step(model, ids, mask, streamer=Collect())
+        on_syncs = syncs_per_step(model, ids, mask, streamer=Collect(), async_stopping_criteria=True)
+        route_a = hasattr(gen_utils, "DeferredStopCheck")
+        print(f"\nSYNCS transformers={'.'.join(map(str, TRANSFORMERS_VERSION))} case=streamer "
+              f"stock={stock_syncs:.2f} flag_on={on_syncs:.2f}")
+        self.assertGreaterEqual(stock_syncs, 2.0)
+        self.assertEqual(on_syncs, 0.0 if route_a else 1.0)
+
+    def test_many_eos_ids_are_sync_free(self):
+        model = build("llama", device="cuda")
+        ids, mask = prompt(batch=4, device="cuda")
+        eos = list(range(30, 48))  # 18 ids: torch.isin's sorting algorithm
+        with stock():
+            stock_syncs = syncs_per_step(model, ids, mask, eos_token_id=eos)
+        on_syncs = syncs_per_step(model, ids, mask, eos_token_id=eos, async_stopping_criteria=True)
+        print(f"\nSYNCS transformers={'.'.join(map(str, TRANSFORMERS_VERSION))} case=18_eos_ids "
+              f"stock={stock_syncs:.2f} flag_on={on_syncs:.2f}")
+        self.assertEqual(on_syncs, 0.0)
+
 
 if __name__ == "__main__":
     unittest.main()
