@@ -19,7 +19,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
 
 from .cache_rollback import rollback_one_step, why_not_rollbackable
 from .config import FIELD, _mark, check_flag, flag_of, force_deferred
@@ -97,13 +101,26 @@ def patched_padding_warning(original, target):
 
 
 # --- the side stream -------------------------------------------------------------------------------------------
+# torch.isin switches to a sort-based algorithm (whose `unique` reads a device count: a blocking sync) once the
+# test set has about 10 * numel**0.145 elements; at B <= 1 that is 10 EOS ids.
+_ISIN_SORTS_FROM = 10
+
+
+def _last_token_is_eos(criteria, input_ids):
+    """`EosTokenCriteria.__call__` (v5.0-v5.23) without `torch.isin`: a broadcast compare, same booleans."""
+    eos = criteria.eos_token_id.to(input_ids.device)
+    return (input_ids[:, -1, None] == eos.reshape(1, -1)).any(-1)
+
+
 class SideStreamCriteria(StoppingCriteriaList):
     """The call's stopping criteria, run on the controller's side stream.
 
     Differences from `StoppingCriteriaList.__call__` (v5.0-v5.23, identical there): `MaxLengthCriteria` is skipped
     while it can only say "not yet" or fire its `max_position_embeddings` warning is impossible, because the
-    deferred loop decides `max_length` on the host, exactly, at the same step; and the first result seeds the
-    reduction instead of a `torch.full` of False. Both save kernel launches and host time every step.
+    deferred loop decides `max_length` on the host, exactly, at the same step; the first result seeds the
+    reduction instead of a `torch.full` of False (both save kernel launches and host time every step); and an
+    `EosTokenCriteria` with 10 or more ids is answered by a broadcast compare instead of `torch.isin`, whose
+    sorting algorithm reads a device count on the host every step.
     """
 
     def __init__(self, criteria: StoppingCriteriaList, ctl: AsyncStop):
@@ -127,7 +144,10 @@ class SideStreamCriteria(StoppingCriteriaList):
                 or length < criteria.max_position_embeddings
             ):
                 continue
-            done = criteria(input_ids, scores, **kwargs)
+            if isinstance(criteria, EosTokenCriteria) and criteria.eos_token_id.numel() >= _ISIN_SORTS_FROM:
+                done = _last_token_is_eos(criteria, input_ids)
+            else:
+                done = criteria(input_ids, scores, **kwargs)
             if not isinstance(done, torch.Tensor):
                 self._ctl.warn_host_verdict(criteria)
             if is_done is None and not (isinstance(done, torch.Tensor) and done.dtype == torch.bool
