@@ -175,12 +175,12 @@ class CudaNoBlockingSyncPerStep(unittest.TestCase):
 
     def test_many_eos_ids_are_sync_free(self):
         model = build("llama", device="cuda")
-        ids, mask = prompt(batch=4, device="cuda")
+        ids, mask = prompt(batch=1, device="cuda")
         with stock():
             seen = set(model.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=PAD,
                                       eos_token_id=None).flatten().tolist())
-        eos = [t for t in range(3, 48) if t not in seen][:18]  # never produced; 18 ids: isin's sorting algorithm
-        self.assertGreaterEqual(len(eos), 12)
+        eos = [t for t in range(3, 48) if t not in seen][:18]  # never produced; >= 10 ids: isin's sorting path
+        self.assertGreaterEqual(len(eos), 10)
         with stock():
             stock_syncs = syncs_per_step(model, ids, mask, fixed_length=False, eos_token_id=eos)
         on_syncs = syncs_per_step(model, ids, mask, fixed_length=False, eos_token_id=eos,
@@ -197,7 +197,8 @@ if __name__ == "__main__":
 @requires_cuda
 class CudaEndurance(unittest.TestCase):
     def test_a_thousand_calls_grow_no_memory_events_or_streams(self):
-        import gc
+        """Measured after 200 and after 1,200 calls: a leak grows with the count, steady state does not."""
+        import weakref
 
         from transformers_async_stop import stop_check
 
@@ -206,25 +207,34 @@ class CudaEndurance(unittest.TestCase):
         eos = eos_ids_finishing_at(model, ids, mask, [1, 2, 3])
         kw = dict(attention_mask=mask, max_new_tokens=6, eos_token_id=eos, pad_token_id=PAD,
                   async_stopping_criteria=True)
+        events = weakref.WeakSet()
+        real_event = torch.cuda.Event
 
-        def live_events():
-            gc.collect()
-            return sum(isinstance(o, torch.cuda.Event) for o in gc.get_objects())
+        class TrackedEvent(real_event):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                events.add(self)
 
-        def pinned_bytes():
+        def state():
+            torch.cuda.synchronize()
+            torch.empty(1, device="cuda")  # lets the allocator retire frees that waited on stream events
             stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-            return stats.get("allocated_bytes.current", stats.get("allocated_bytes", {}).get("current", 0))
+            return (torch.cuda.memory_allocated(), len(events), stats.get("allocated_bytes.current"),
+                    len(stop_check._SIDE_STREAMS))
 
-        for _ in range(20):
-            model.generate(ids, **kw)
-        torch.cuda.synchronize()
-        before = (torch.cuda.memory_allocated(), live_events(), pinned_bytes(), len(stop_check._SIDE_STREAMS))
-        first = model.generate(ids, **kw)
-        for _ in range(1000):
-            out = model.generate(ids, **kw)
-        torch.cuda.synchronize()
-        after = (torch.cuda.memory_allocated(), live_events(), pinned_bytes(), len(stop_check._SIDE_STREAMS))
-        self.assertEqual(before, after, "(GPU bytes, live CUDA events, pinned host bytes, side streams)")
+        torch.cuda.Event = TrackedEvent
+        try:
+            first = model.generate(ids, **kw)
+            for _ in range(200):
+                model.generate(ids, **kw)
+            early = state()
+            for _ in range(1000):
+                out = model.generate(ids, **kw)
+            late = state()
+        finally:
+            torch.cuda.Event = real_event
+        self.assertEqual(early, late, "(GPU bytes, live CUDA events, pinned host bytes, side streams)")
+        self.assertLessEqual(late[1], 3)  # only the last call's events may still be referenced
         self.assertListEqual(first.tolist(), out.tolist())
 
     def test_two_threads_with_two_models_match_running_alone(self):
