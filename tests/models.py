@@ -143,3 +143,18 @@ def assert_same_cache(test, a, b, path="cache"):
         cx, cy = getattr(x, "cumulative_length", None), getattr(y, "cumulative_length", None)
         if cx is not None:
             test.assertEqual(int(cx), int(cy), f"{path}.layers[{i}].cumulative_length")
+
+
+def generate_and_draw(model, ids, mask, flag, seed=123, **kwargs):
+    """generate() with `async_stopping_criteria=flag` (None: leave it out, for stock), then one draw from the RNG
+    (the extra step must not have consumed any). Returns (output, the draw, forward calls)."""
+    counter = CountForwards(model)
+    try:
+        torch.manual_seed(seed)
+        if flag is not None:
+            kwargs["async_stopping_criteria"] = flag
+        out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kwargs)
+        after = torch.rand(4)
+    finally:
+        counter.close()
+    return out, after, counter.count

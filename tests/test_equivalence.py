@@ -12,7 +12,7 @@ import torch
 from parameterized import parameterized
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from models import PAD, PROMPT_LEN, CountForwards, assert_same, build, eos_ids_finishing_at, prompt, stock
+from models import PAD, PROMPT_LEN, assert_same, build, eos_ids_finishing_at, generate_and_draw, prompt, stock
 
 FAMILIES = ("llama", "gpt2", "qwen2")
 FULL_OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, output_hidden_states=True)
@@ -48,18 +48,7 @@ class StopOnToken(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
-def _run(model, ids, mask, flag, seed=123, **kwargs):
-    """generate() then one more draw from the RNG: the extra step must not have consumed any."""
-    counter = CountForwards(model)
-    try:
-        torch.manual_seed(seed)
-        if flag is not None:
-            kwargs["async_stopping_criteria"] = flag
-        out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kwargs)
-        after = torch.rand(4)
-    finally:
-        counter.close()
-    return out, after, counter.count
+_run = generate_and_draw
 
 
 def _scenario(name, model, family):

@@ -14,7 +14,17 @@ import torch
 from parameterized import parameterized
 from transformers import EosTokenCriteria, StoppingCriteriaList
 
-from models import PAD, PROMPT_LEN, VOCAB, CountForwards, assert_same, build, eos_ids_finishing_at, prompt, stock
+from models import (
+    PAD,
+    PROMPT_LEN,
+    VOCAB,
+    assert_same,
+    build,
+    eos_ids_finishing_at,
+    generate_and_draw,
+    prompt,
+    stock,
+)
 from test_config import tiny_tokenizer
 
 FAMILIES = ("llama", "gpt2", "qwen2", "mistral")
@@ -32,16 +42,7 @@ def stop_string_tokenizer():
 
 
 def _run(model, ids, mask, flag, seed=5, **kwargs):
-    counter = CountForwards(model)
-    try:
-        torch.manual_seed(seed)
-        if flag:
-            kwargs["async_stopping_criteria"] = True
-        out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kwargs)
-        after = torch.rand(4)
-    finally:
-        counter.close()
-    return out, after, counter.count
+    return generate_and_draw(model, ids, mask, True if flag else None, seed=seed, **kwargs)
 
 
 def _greedy_tokens(model, ids, mask):
@@ -140,7 +141,10 @@ class ManyEosIdsMatchStock(unittest.TestCase):
         model = build(family)
         ids, mask = prompt(batch=3, left_pad=True)
         eos = _many_eos(model, ids, mask, [2, 5, 8], count)
-        kw = dict(max_new_tokens=MAX_NEW, eos_token_id=eos, **FULL_OUTPUTS)
+        self._assert_stock_with_early_stop(model, ids, mask, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                                           **FULL_OUTPUTS)
+
+    def _assert_stock_with_early_stop(self, model, ids, mask, **kw):
         with stock():
             ref, _, ref_forwards = _run(model, ids, mask, False, **kw)
         on, _, on_forwards = _run(model, ids, mask, True, **kw)
@@ -153,14 +157,9 @@ class ManyEosIdsMatchStock(unittest.TestCase):
         model = build(family)
         ids, mask = prompt(batch=3)
         eos = _many_eos(model, ids, mask, [1, 4, 6], 16)
-        kw = dict(max_new_tokens=MAX_NEW, eos_token_id=None,
-                  stopping_criteria=StoppingCriteriaList([EosTokenCriteria(torch.tensor(eos))]), **FULL_OUTPUTS)
-        with stock():
-            ref, _, ref_forwards = _run(model, ids, mask, False, **kw)
-        on, _, on_forwards = _run(model, ids, mask, True, **kw)
-        assert_same(self, ref, on)
-        self.assertLess(ref.sequences.shape[1], PROMPT_LEN + MAX_NEW, "the reference run must stop early")
-        self.assertEqual(on_forwards, ref_forwards + 1)
+        self._assert_stock_with_early_stop(
+            model, ids, mask, max_new_tokens=MAX_NEW, eos_token_id=None,
+            stopping_criteria=StoppingCriteriaList([EosTokenCriteria(torch.tensor(eos))]), **FULL_OUTPUTS)
 
     def test_many_eos_ids_with_sampling(self):
         model = build("mistral")
