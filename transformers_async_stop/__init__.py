@@ -6,8 +6,7 @@
 Importing applies the patches (see `targets.py` for the list); `unpatch()` restores transformers exactly.
 """
 
-from .config import FORCE_ENV
-from .generation import StockPathWarning
+from .config import FORCE_ENV, StockPathWarning
 from .patching import apply, is_patched, skipped, unpatch
 
 __version__ = "0.1.0"

@@ -71,3 +71,11 @@ def rollback_one_step(cache, kept_length: int) -> None:
             counter.sub_(1)  # stays on the device: no read
         elif isinstance(counter, int) and counter > 0:
             layer.cumulative_length = counter - 1
+
+
+def cache_blocks_deferral(cache, route_a: bool) -> str | None:
+    """Why a cache the caller will see cannot take the deferred path (None: it can)."""
+    reason = why_not_rollbackable(cache)
+    if reason is None or (route_a and getattr(cache, "is_croppable", False)):
+        return None  # 5.17+ records a croppable cache's past (`activate_past_recording`) and crops it back
+    return f"the returned cache cannot be rolled back by one step ({reason})"

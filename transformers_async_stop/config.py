@@ -9,9 +9,23 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 FIELD = "async_stopping_criteria"
 FORCE_ENV = "TRANSFORMERS_ASYNC_STOP_FORCE"
+
+
+class StockPathWarning(UserWarning):
+    """`async_stopping_criteria=True` was asked for where the deferred path cannot run; the stock path ran."""
+
+
+def warn_stock(reason: str) -> None:
+    warnings.warn(
+        f"async_stopping_criteria=True: {reason}; running the stock generation loop instead "
+        "(identical output, one blocking read per step).",
+        StockPathWarning,
+        stacklevel=4,
+    )
 
 
 def force_deferred() -> bool:

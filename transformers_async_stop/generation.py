@@ -13,8 +13,6 @@ only when the next step's logits processors run (`JoiningLogitsProcessors`), aft
 from __future__ import annotations
 
 import contextvars
-import logging
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -25,14 +23,11 @@ from transformers.generation.stopping_criteria import (
     StoppingCriteriaList,
 )
 
-from .cache_rollback import rollback_one_step, why_not_rollbackable
-from .config import FIELD, _mark, check_flag, flag_of, force_deferred
+from .cache_rollback import cache_blocks_deferral, rollback_one_step, why_not_rollbackable
+from .config import FIELD, _mark, check_flag, flag_of, force_deferred, warn_stock
 from .inputs import IN_GENERATE
 from .patching import MARKER
 from .stop_check import ACTIVE, AsyncStop
-
-logger = logging.getLogger("transformers_async_stop")
-
 
 @dataclass
 class _Scope:
@@ -42,26 +37,13 @@ class _Scope:
 SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("transformers_async_stop_scope", default=None)
 
 
-class StockPathWarning(UserWarning):
-    """`async_stopping_criteria=True` was asked for where the deferred path cannot run; the stock path ran."""
-
-
-def _warn_stock(reason: str) -> None:
-    warnings.warn(
-        f"async_stopping_criteria=True: {reason}; running the stock generation loop instead "
-        "(identical output, one blocking read per step).",
-        StockPathWarning,
-        stacklevel=4,
-    )
-
-
 # --- generate() ------------------------------------------------------------------------------------------------
 def patched_generate(original, target):
     def generate(self, *args, **kwargs):
         if kwargs.get("custom_generate") is not None:
             config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
             if kwargs.get(FIELD) is True or (FIELD not in kwargs and flag_of(config)):
-                _warn_stock("a `custom_generate` decoding loop is not ours to defer")
+                warn_stock("a `custom_generate` decoding loop is not ours to defer")
         if FIELD in kwargs:
             check_flag(kwargs[FIELD])
         scope = _Scope(user_cache=kwargs.get("past_key_values") is not None)
@@ -82,7 +64,7 @@ def stock_with_warning(original, target):
     def decoding_method(self, *args, **kwargs):
         config = kwargs.get("generation_config")
         if config is not None and flag_of(config) and not getattr(config, "is_assistant", False):
-            _warn_stock(f"{mode} is not made async yet")
+            warn_stock(f"{mode} is not made async yet")
         return original(self, *args, **kwargs)
 
     return _mark(decoding_method, original)
@@ -213,14 +195,6 @@ def _cache_is_returned(generation_config, model_kwargs) -> bool:
                 or (scope is not None and scope.user_cache))
 
 
-def cache_blocks_deferral(cache, route_a: bool) -> str | None:
-    """Why a cache the caller will see cannot take the deferred path (None: it can)."""
-    reason = why_not_rollbackable(cache)
-    if reason is None or (route_a and getattr(cache, "is_croppable", False)):
-        return None  # 5.17+ records a croppable cache's past (`activate_past_recording`) and crops it back
-    return f"the returned cache cannot be rolled back by one step ({reason})"
-
-
 def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -> str | None:
     if getattr(generation_config, "is_assistant", False):
         return ""  # the assistant's own loop inside assisted decoding: silently stock, the caller warned
@@ -248,7 +222,7 @@ def patched_sample(original, target):
         reason = _why_stock(self, input_ids, generation_config, synced_gpus, model_kwargs)
         if reason is not None:
             if reason:
-                _warn_stock(reason)
+                warn_stock(reason)
             return stock()
 
         route_a = _route_a()

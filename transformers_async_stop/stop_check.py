@@ -21,7 +21,8 @@ import warnings
 
 import torch
 
-from .config import _mark
+from .cache_rollback import cache_blocks_deferral
+from .config import warn_stock
 
 # The controller of the `generate()` call running on this thread/context, if it runs the deferred path.
 ACTIVE: contextvars.ContextVar["AsyncStop | None"] = contextvars.ContextVar("transformers_async_stop_active",
@@ -117,12 +118,10 @@ class AsyncStop:
         self._cache_seen = True
         if not self.cache_returned:
             return
-        from .generation import cache_blocks_deferral, _warn_stock
-
         reason = cache_blocks_deferral(cache, self.route_a)
         if reason is not None and self.steps == 0:
             self.synchronous = True
-            _warn_stock(reason)
+            warn_stock(reason)
 
     # -- streams --------------------------------------------------------------------------------------------
     def to_side(self, *read: torch.Tensor) -> None:
