@@ -174,6 +174,18 @@ class CudaNoBlockingSyncPerStep(unittest.TestCase):
         self.assertGreaterEqual(stock_syncs, 2.0)
         self.assertEqual(on_syncs, 0.0 if route_a else 1.0)
 
+    def test_beam_search_static_cache_reorder_reads_no_counter(self):
+        """Beam search stays stock (one read per step for "all beams done"), minus one read per layer per step."""
+        model = build("llama", device="cuda")
+        ids, mask = prompt(batch=1, device="cuda")
+        kw = dict(num_beams=2, cache_implementation="static", disable_compile=True)
+        with stock():
+            stock_syncs = syncs_per_step(model, ids, mask, **kw)
+        patched_syncs = syncs_per_step(model, ids, mask, **kw)
+        print(f"\nSYNCS transformers={'.'.join(map(str, TRANSFORMERS_VERSION))} case=beam2_static "
+              f"stock={stock_syncs:.2f} patched={patched_syncs:.2f}")
+        self.assertEqual(stock_syncs - patched_syncs, model.config.num_hidden_layers)
+
     def test_many_eos_ids_are_sync_free(self):
         model = build("llama", device="cuda")
         ids, mask = prompt(batch=1, device="cuda")

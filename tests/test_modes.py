@@ -138,3 +138,20 @@ class UserCriteriaThatReadTheDevice(unittest.TestCase):
         named = [w for w in caught if "LegacyLengthCheck" in str(w.message)]
         self.assertEqual(len(named), 1)
         self.assertListEqual(ref.tolist(), out.tolist())
+
+
+class BeamSearchWithStaticCache(unittest.TestCase):
+    """Beam search stays stock, but the static cache's reorder no longer reads its device counter: same results."""
+
+    def test_reorder_without_the_length_read_matches_stock(self):
+        from models import assert_same
+
+        model = build("llama")
+        ids, mask = prompt()
+        kw = dict(attention_mask=mask, num_beams=3, num_return_sequences=2, max_new_tokens=7, pad_token_id=PAD,
+                  cache_implementation="static", return_dict_in_generate=True, output_scores=True)
+        with stock():
+            ref = model.generate(ids, **kw)
+        out = model.generate(ids, **kw)
+        for name in ("sequences", "sequences_scores", "scores", "beam_indices", "past_key_values"):
+            assert_same(self, getattr(ref, name), getattr(out, name), name)

@@ -108,6 +108,11 @@ TARGETS: tuple[Target, ...] = (
         why="`pad_token_id in input_ids[:, [-1, 0]]` reads a device tensor each decode step once 5.18+ drops an "
             "all-ones mask (GPT-2 and others); with the flag it is checked at prefill only",
     ),
+    Target(
+        "CacheLayerMixin.reorder_cache", "transformers.cache_utils", "CacheLayerMixin", "reorder_cache",
+        "beam:patched_reorder_cache", params=("beam_idx",),
+        why="`if self.get_seq_length() > 0` reads a static layer's device counter once per layer per beam step",
+    ),
     # --- the SDPA mask-skip check ----------------------------------------------------------------------------
     Target(
         "masking_utils._preprocess_mask_arguments", _MASK, None, "_preprocess_mask_arguments",
