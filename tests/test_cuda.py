@@ -184,7 +184,10 @@ class CudaNoBlockingSyncPerStep(unittest.TestCase):
         patched_syncs = syncs_per_step(model, ids, mask, **kw)
         print(f"\nSYNCS transformers={'.'.join(map(str, TRANSFORMERS_VERSION))} case=beam2_static "
               f"stock={stock_syncs:.2f} patched={patched_syncs:.2f}")
-        self.assertEqual(stock_syncs - patched_syncs, model.config.num_hidden_layers)
+        # the one read left is beam search's own "are all beams done" (not deferred yet); stock adds one read per
+        # layer per step in reorder_cache (and, on 5.0, the cache-position read)
+        self.assertEqual(patched_syncs, 1.0)
+        self.assertGreaterEqual(stock_syncs, patched_syncs + model.config.num_hidden_layers)
 
     def test_many_eos_ids_are_sync_free(self):
         model = build("llama", device="cuda")
