@@ -1,8 +1,14 @@
-"""`synced_gpus=True` across two processes (gloo on CPU): with the flag, the stock loop runs, with one warning and
-identical output on every rank. This is where the deferred all-reduce of issue 5 will be tested next."""
+"""`synced_gpus=True` across two processes (gloo on CPU, the deferred path forced).
+
+On 5.17+ the peers' "all finished?" all-reduce is deferred one call (`_PeerVerdict`): every rank must return exactly
+what stock returns, all ranks stop at the same step, and the one extra step (a forward on every rank) is undone.
+On 5.0-5.16 the loop itself reads its verdict tensor for `continue`, so the flag runs the stock loop with one warning;
+so does a returned cache (an early peer's padding positions would hold a different token than stock's).
+"""
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import unittest
@@ -10,6 +16,7 @@ import unittest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from parameterized import parameterized
 
 WORLD = 2
 
@@ -20,42 +27,83 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, port: int, results):
+def _rank_main(rank: int, port: int, scenario: str, results):
     import warnings
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRANSFORMERS_ASYNC_STOP_FORCE="1")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # a rank that stopped at another step would leave its peer waiting in a collective: fail, don't hang
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
-        from models import PAD, build, eos_ids_finishing_at, prompt, stock
+        from models import PAD, CountForwards, build, eos_ids_finishing_at, prompt, stock
         from transformers_async_stop import StockPathWarning
 
         model = build("llama")
-        ids, mask = prompt(batch=2, seed=10 + rank)  # each rank its own prompts: they finish at different steps
-        eos = eos_ids_finishing_at(model, ids, mask, [2 + 3 * rank, 4])
-        kw = dict(attention_mask=mask, max_new_tokens=10, eos_token_id=eos, pad_token_id=PAD, synced_gpus=True)
+        ids, mask = prompt(batch=2, seed=10 + rank)  # each rank its own prompts
+        kw = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=PAD, synced_gpus=True)
+        if scenario == "ranks_finish_apart":  # rank 0 early, rank 1 late: rank 0 keeps stepping, appending nothing
+            kw["eos_token_id"] = eos_ids_finishing_at(model, ids, mask, [1 + 5 * rank, 2 + 5 * rank])
+        elif scenario == "max_length":
+            kw["eos_token_id"] = None
+        elif scenario == "sampling":
+            kw.update(eos_token_id=eos_ids_finishing_at(model, ids, mask, [2, 3 + rank]), do_sample=True, top_k=5)
+        elif scenario == "returned_cache":  # stock path: an early peer's padding positions would differ
+            kw.update(eos_token_id=eos_ids_finishing_at(model, ids, mask, [1 + 5 * rank, 2 + 5 * rank]),
+                      return_dict_in_generate=True, output_scores=True)
+
+        def run(flag):
+            counter = CountForwards(model)
+            torch.manual_seed(100 + rank)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                extra = {} if flag is None else {"async_stopping_criteria": flag}
+                out = model.generate(ids, **kw, **extra)
+            counter.close()
+            warned = sum(issubclass(w.category, StockPathWarning) for w in caught)
+            return out, counter.count, warned, torch.rand(2).tolist()
+
         with stock():
-            ref = model.generate(ids, **kw)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out = model.generate(ids, async_stopping_criteria=True, **kw)
-        stock_path = sum(issubclass(w.category, StockPathWarning) for w in caught)
-        results.put((rank, ref.tolist(), out.tolist(), stock_path))
+            ref, ref_forwards, _, ref_after = run(None)
+        out, forwards, warned, after = run(True)
+        if scenario == "returned_cache":
+            same_scores = len(ref.scores) == len(out.scores) and all(
+                torch.equal(a, b) for a, b in zip(ref.scores, out.scores))
+            ref, out = ref.sequences, out.sequences
+        else:
+            same_scores = True
+        results.put((rank, ref.tolist(), out.tolist(), same_scores, ref_after == after, forwards - ref_forwards,
+                     warned))
     finally:
         dist.destroy_process_group()
 
 
+def _spawn(scenario):
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_rank_main, args=(_free_port(), scenario, results), nprocs=WORLD, join=True,
+                       start_method="spawn")
+    return sorted(results.get() for _ in range(WORLD))
+
+
 class SyncedGpus(unittest.TestCase):
-    def test_two_ranks_run_stock_with_one_warning_and_identical_output(self):
-        ctx = mp.get_context("spawn")
-        results = ctx.SimpleQueue()
-        mp.start_processes(_rank_main, args=(_free_port(), results), nprocs=WORLD, join=True,
-                           start_method="spawn")
-        got = sorted(results.get() for _ in range(WORLD))
-        self.assertEqual([rank for rank, *_ in got], list(range(WORLD)))
-        for rank, ref, out, warned in got:
-            self.assertEqual(ref, out, f"rank {rank}")
-            self.assertEqual(warned, 1, f"rank {rank}")
-        self.assertNotEqual(got[0][1], got[1][1], "the ranks should generate different sequences")
+    @parameterized.expand([("ranks_finish_apart",), ("max_length",), ("sampling",), ("returned_cache",)])
+    def test_every_rank_returns_stock_output(self, scenario):
+        import transformers.generation.utils as gen_utils
+
+        deferred = hasattr(gen_utils, "DeferredStopCheck") and scenario != "returned_cache"
+        got = _spawn(scenario)
+        self.assertEqual([r[0] for r in got], list(range(WORLD)))
+        extra_steps = set()
+        for rank, ref, out, same_scores, same_rng, extra_forwards, warned in got:
+            self.assertEqual(ref, out, f"rank {rank}: sequences")
+            self.assertTrue(same_scores, f"rank {rank}: scores")
+            self.assertTrue(same_rng, f"rank {rank}: RNG state after generate()")
+            self.assertEqual(warned, 0 if deferred else 1, f"rank {rank}: StockPathWarning count")
+            extra_steps.add(extra_forwards)
+        # all ranks took the same number of steps: deferred, exactly one more forward than stock (the peers' sum is
+        # read one call late, also after a max_length stop: that forward appends nothing, and no cache is returned)
+        self.assertEqual(extra_steps, {1 if deferred else 0})
+        if scenario == "ranks_finish_apart":  # the ranks really stopped at different lengths
+            self.assertNotEqual(len(got[0][1][0]), len(got[1][1][0]))
 
 
 if __name__ == "__main__":

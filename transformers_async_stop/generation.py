@@ -199,7 +199,13 @@ def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -
     if getattr(generation_config, "is_assistant", False):
         return ""  # the assistant's own loop inside assisted decoding: silently stock, the caller warned
     if synced_gpus:
-        return "`synced_gpus=True` is not made async yet"
+        if not _route_a():
+            # 5.0-5.16 test the loop's device-tensor verdict on the host for `continue`: a sync we cannot remove
+            return "`synced_gpus=True` is made async on transformers 5.17+ only"
+        if _cache_is_returned(generation_config, model_kwargs):
+            # peers that finish early keep stepping on a token the extra step appended: their padding positions
+            # in the cache would differ from stock's
+            return "`synced_gpus=True` with a returned cache is not made async"
     if model.config.is_encoder_decoder:
         return "encoder-decoder models are not made async yet"
     if input_ids.device.type != "cuda" and not force_deferred():
@@ -234,6 +240,8 @@ def patched_sample(original, target):
         )
         ctl.route_a = route_a
         ctl.cache_returned = _cache_is_returned(generation_config, model_kwargs)
+        if synced_gpus:
+            ctl.enable_peer_reduction()
         loop_streamer = streamer if (route_a or streamer is None) else LaggedStreamer(streamer, ctl)
         token = ACTIVE.set(ctl)
         try:
@@ -260,6 +268,10 @@ def patched_sample(original, target):
 def patched_has_unfinished_sequences(original, target):
     def _has_unfinished_sequences(self, this_peer_finished, synced_gpus, device=None, *args, **kwargs):
         ctl = ACTIVE.get()
+        if ctl is not None and synced_gpus and ctl.peers is not None:
+            # 5.17+: every peer reduces its device verdict and reads the previous step's sum, so all peers stop
+            # at the same call, one step late (undone like any lagged stop)
+            return not ctl.peers_done(this_peer_finished)
         if ctl is None or synced_gpus or ctl.route_a:
             return original(self, this_peer_finished, synced_gpus, device, *args, **kwargs)
         if isinstance(this_peer_finished, torch.Tensor):

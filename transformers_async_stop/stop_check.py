@@ -95,6 +95,8 @@ class AsyncStop:
         self.cache_returned = False
         self.synchronous = False
         self._cache_seen = False
+        self.peers: _PeerVerdict | None = None
+        self._last_finished: torch.Tensor | None = None
 
     def warn_host_verdict(self, criteria) -> None:
         """A user criterion answered with a Python value: it read the device itself, every step."""
@@ -110,6 +112,24 @@ class AsyncStop:
             UserWarning,
             stacklevel=5,
         )
+
+    # -- synced_gpus: the peers' verdict ---------------------------------------------------------------------
+    def enable_peer_reduction(self) -> None:
+        """Allocate, once per call, what the deferred all-reduce of `synced_gpus=True` needs."""
+        pin = self.cuda
+        self.peers = _PeerVerdict(self.device, pin)
+
+    def peers_done(self, this_peer_finished: bool) -> bool:
+        """Reduce this peer's latest verdict over all peers; answer from the previous call's sum."""
+        peers = self.peers
+        # A peer is unfinished while its latest device verdict says so and the host does not know better
+        # (a max_length stop, or the lagged verdict, is already final on the host).
+        if self._last_finished is None or this_peer_finished:
+            peers.value.fill_(0.0 if this_peer_finished else 1.0)
+        else:
+            torch.logical_not(self._last_finished, out=peers.flag)
+            peers.value.copy_(peers.flag)
+        return peers.reduce_and_read_previous()
 
     def see_cache(self, cache) -> None:
         """Called with the loop's cache after the first forward (see `masking.patched_update_model_kwargs`)."""
@@ -173,6 +193,8 @@ class AsyncStop:
         if self.synchronous:
             return self._step_now(finished, tokens, length)
         slot = self.steps % 2
+        if self.peers is not None:
+            self._last_finished = finished  # the peers' reduction reads it at the next loop check
         self._flags[slot].copy_(finished, non_blocking=True)
         if self._tokens is not None and tokens is not None:
             if self._on_side:
@@ -212,6 +234,8 @@ class AsyncStop:
     def finish(self) -> int:
         """Drain the copies; return how many steps (0 or 1) the caller must undo, and undo the RNG draws."""
         self.close()
+        if self.peers is not None:
+            self.peers.drain()
         if self.cuda:
             for event in self._copied:
                 event.synchronize()
@@ -233,6 +257,45 @@ class AsyncStop:
             self.to_main()
             self.join()
             self.main.wait_stream(self.side)
+
+
+class _PeerVerdict:
+    """The deferred all-reduce of `synced_gpus=True`: "how many peers are unfinished", one call late.
+
+    Stock builds a tensor from a Python bool, all-reduces it and reads it back every step: two blocking syncs. Here
+    the flag is derived on the device, the all-reduce is queued (NCCL runs it on its own stream; gloo runs it on
+    the CPU), the sum goes to pinned memory, and the host reads the previous call's sum. All peers read the same
+    sums at the same call, so they agree on when to stop; the one extra step is undone like a lagged stop.
+    """
+
+    def __init__(self, device: torch.device, pin: bool):
+        self.cuda = device.type == "cuda"
+        self.value = torch.zeros((), dtype=torch.float32, device=device)
+        self.flag = torch.zeros((), dtype=torch.bool, device=device)
+        self.sums = [torch.zeros((), dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+        self.calls = 0
+
+    def reduce_and_read_previous(self) -> bool:
+        import torch.distributed as dist
+
+        slot = self.calls % 2
+        dist.all_reduce(self.value, op=dist.ReduceOp.SUM)
+        self.sums[slot].copy_(self.value, non_blocking=True)
+        if self.cuda:
+            self.events[slot].record()
+        self.calls += 1
+        if self.calls == 1:
+            return False  # nothing reduced before this call: keep going, as stock does on its first check
+        previous = 1 - slot
+        if self.cuda:
+            self.events[previous].synchronize()
+        return float(self.sums[previous]) == 0.0
+
+    def drain(self) -> None:
+        if self.cuda:
+            for event in self.events:
+                event.synchronize()
 
 
 def patched_deferred_class(original, target):
