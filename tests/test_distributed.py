@@ -27,18 +27,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, port: int, scenario: str, results):
+def _rank_main(rank: int, port: int, scenario: str, results, backend: str = "gloo"):
     import warnings
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRANSFORMERS_ASYNC_STOP_FORCE="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRANSFORMERS_ASYNC_STOP_FORCE="1",
+                      NCCL_NVLS_ENABLE="0")
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     # a rank that stopped at another step would leave its peer waiting in a collective: fail, don't hang
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(backend, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
         from models import PAD, CountForwards, build, eos_ids_finishing_at, prompt, stock
         from transformers_async_stop import StockPathWarning
 
-        model = build("llama")
-        ids, mask = prompt(batch=2, seed=10 + rank)  # each rank its own prompts
+        model = build("llama", device=device)
+        ids, mask = prompt(batch=2, seed=10 + rank, device=device)  # each rank its own prompts
         kw = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=PAD, synced_gpus=True)
         if scenario == "ranks_finish_apart":  # rank 0 early, rank 1 late: rank 0 keeps stepping, appending nothing
             kw["eos_token_id"] = eos_ids_finishing_at(model, ids, mask, [1 + 5 * rank, 2 + 5 * rank])
@@ -53,13 +58,15 @@ def _rank_main(rank: int, port: int, scenario: str, results):
         def run(flag):
             counter = CountForwards(model)
             torch.manual_seed(100 + rank)
+            if device != "cpu":
+                torch.cuda.manual_seed(100 + rank)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 extra = {} if flag is None else {"async_stopping_criteria": flag}
                 out = model.generate(ids, **kw, **extra)
             counter.close()
             warned = sum(issubclass(w.category, StockPathWarning) for w in caught)
-            return out, counter.count, warned, torch.rand(2).tolist()
+            return out, counter.count, warned, torch.rand(2, device=device).tolist()
 
         with stock():
             ref, ref_forwards, _, ref_after = run(None)
@@ -76,21 +83,23 @@ def _rank_main(rank: int, port: int, scenario: str, results):
         dist.destroy_process_group()
 
 
-def _spawn(scenario):
+def _spawn(scenario, backend="gloo"):
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(_free_port(), scenario, results), nprocs=WORLD, join=True,
+    mp.start_processes(_rank_main, args=(_free_port(), scenario, results, backend), nprocs=WORLD, join=True,
                        start_method="spawn")
     return sorted(results.get() for _ in range(WORLD))
 
 
 class SyncedGpus(unittest.TestCase):
+    backend = "gloo"
+
     @parameterized.expand([("ranks_finish_apart",), ("max_length",), ("sampling",), ("returned_cache",)])
     def test_every_rank_returns_stock_output(self, scenario):
         import transformers.generation.utils as gen_utils
 
         deferred = hasattr(gen_utils, "DeferredStopCheck") and scenario != "returned_cache"
-        got = _spawn(scenario)
+        got = _spawn(scenario, self.backend)
         self.assertEqual([r[0] for r in got], list(range(WORLD)))
         extra_steps = set()
         for rank, ref, out, same_scores, same_rng, extra_forwards, warned in got:
@@ -104,6 +113,13 @@ class SyncedGpus(unittest.TestCase):
         self.assertEqual(extra_steps, {1 if deferred else 0})
         if scenario == "ranks_finish_apart":  # the ranks really stopped at different lengths
             self.assertNotEqual(len(got[0][1][0]), len(got[1][1][0]))
+
+
+@unittest.skipUnless(torch.cuda.is_available() and torch.cuda.device_count() >= WORLD, "needs two CUDA devices")
+class SyncedGpusNccl(SyncedGpus):
+    """The same, one process per GPU over NCCL (NVLink multicast off)."""
+
+    backend = "nccl"
 
 
 if __name__ == "__main__":
