@@ -71,7 +71,8 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "GenerationMixin._has_unfinished_sequences", _GEN, "GenerationMixin", "_has_unfinished_sequences",
         "generation:patched_has_unfinished_sequences", params=("this_peer_finished", "synced_gpus", "device"),
-        why="5.0-5.16 pass a device tensor here and read it each step; we read the previous step's verdict",
+        why="5.0-5.16 pass a device tensor here and read it each step; we read the previous step's verdict. "
+            "With synced_gpus (5.17+) the peers' all-reduce is deferred here too",
     ),
     Target(
         "generation.utils.DeferredStopCheck", _GEN, None, "DeferredStopCheck", "stop_check:patched_deferred_class",
