@@ -134,6 +134,10 @@ def assert_same(test, a, b, path="output"):
 
 def assert_same_cache(test, a, b, path="cache"):
     test.assertIs(type(a), type(b), path)
+    if hasattr(a, "self_attention_cache"):  # EncoderDecoderCache: the decoder's cache and the cross-attention one
+        assert_same_cache(test, a.self_attention_cache, b.self_attention_cache, f"{path}.self_attention_cache")
+        assert_same_cache(test, a.cross_attention_cache, b.cross_attention_cache, f"{path}.cross_attention_cache")
+        return
     test.assertEqual(int(a.get_seq_length()), int(b.get_seq_length()), f"{path} length")
     for i, (x, y) in enumerate(zip(a.layers, b.layers)):
         for name in ("keys", "values"):

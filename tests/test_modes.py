@@ -8,7 +8,6 @@ import warnings
 from unittest import mock
 
 import torch
-from transformers import T5Config, T5ForConditionalGeneration
 
 from models import PAD, CountForwards, build, eos_ids_finishing_at, prompt, stock
 from transformers_async_stop import FORCE_ENV, StockPathWarning
@@ -55,15 +54,6 @@ class StockPathWithOneWarning(unittest.TestCase):
         ids, mask = prompt(batch=1)
         self.assert_stock_with_warning(model, "assisted decoding", ids, attention_mask=mask,
                                        prompt_lookup_num_tokens=2, max_new_tokens=8, pad_token_id=PAD)
-
-    def test_encoder_decoder(self):
-        torch.manual_seed(0)
-        config = T5Config(vocab_size=48, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
-                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-        model = T5ForConditionalGeneration(config).eval()
-        ids, mask = prompt()
-        self.assert_stock_with_warning(model, "encoder-decoder", ids, attention_mask=mask, max_new_tokens=6)
-
 
 class OtherDevices(unittest.TestCase):
     def test_cpu_without_force_runs_stock_silently(self):

@@ -206,8 +206,6 @@ def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -
             # peers that finish early keep stepping on a token the extra step appended: their padding positions
             # in the cache would differ from stock's
             return "`synced_gpus=True` with a returned cache is not made async"
-    if model.config.is_encoder_decoder:
-        return "encoder-decoder models are not made async yet"
     if input_ids.device.type != "cuda" and not force_deferred():
         return ""  # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
     cache = model_kwargs.get("past_key_values")

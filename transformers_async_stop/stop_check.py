@@ -308,7 +308,8 @@ def patched_deferred_class(original, target):
           call our `_sample` wrapper did not take over, every method is upstream's;
         - the verdict and the token copy are recorded on the side stream the criteria ran on (see `AsyncStop`);
         - a StaticCache (not croppable upstream) is rolled back too (`cache_rollback.rollback_one_step`);
-        - sampling's RNG draws of the extra step are given back.
+        - sampling's RNG draws of the extra step are given back;
+        - an `EncoderDecoderCache` (no `.layers`) is handled through its decoder's `self_attention_cache`.
         """
 
         @staticmethod
@@ -356,7 +357,8 @@ def patched_deferred_class(original, target):
             if self.cache is not None:
                 if self._recorded:
                     self.cache.crop(-steps_to_undo)
-                    for layer in self.cache.layers:
+                    # an EncoderDecoderCache has no `.layers` (upstream's finish() failed there): its decoder's do
+                    for layer in getattr(self.cache, "self_attention_cache", self.cache).layers:
                         if hasattr(layer, "record_past"):
                             layer.record_past = False
                 elif steps_to_undo:
