@@ -80,6 +80,8 @@ def _rank_main(rank: int, port: int, scenario: str, results, backend: str = "glo
         results.put((rank, ref.tolist(), out.tolist(), same_scores, ref_after == after, forwards - ref_forwards,
                      warned))
     finally:
+        # both ranks reach teardown before either closes its connections (gloo aborts a peer that closes early)
+        dist.barrier()
         dist.destroy_process_group()
 
 
