@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 import unittest
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,6 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, port: int, scenario: str, results, backend: str = "gloo"):
-    import warnings
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRANSFORMERS_ASYNC_STOP_FORCE="1",
                       NCCL_NVLS_ENABLE="0")
     device = "cpu"
@@ -87,10 +86,24 @@ def _rank_main(rank: int, port: int, scenario: str, results, backend: str = "glo
 
 def _spawn(scenario, backend="gloo"):
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(_free_port(), scenario, results, backend), nprocs=WORLD, join=True,
-                       start_method="spawn")
-    return sorted(results.get() for _ in range(WORLD))
+    results = ctx.Queue()
+    procs = mp.start_processes(_rank_main, args=(_free_port(), scenario, results, backend), nprocs=WORLD,
+                               join=False, start_method="spawn")
+    got = []
+    try:
+        for _ in range(WORLD):
+            got.append(results.get(timeout=240))  # a rank that died before reporting fails here
+    finally:
+        try:
+            while not procs.join():
+                pass
+        except mp.ProcessExitedException as exc:
+            if len(got) < WORLD:
+                raise
+            # Both ranks reported; gloo occasionally aborts a process while it tears down its connections
+            # ("terminate called without an active exception"). The results above are what the test checks.
+            warnings.warn(f"a rank crashed after reporting its results, during teardown: {exc}")
+    return sorted(got)
 
 
 class SyncedGpus(unittest.TestCase):

@@ -198,6 +198,8 @@ def _cache_is_returned(generation_config, model_kwargs) -> bool:
 def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -> str | None:
     if getattr(generation_config, "is_assistant", False):
         return ""  # the assistant's own loop inside assisted decoding: silently stock, the caller warned
+    if input_ids.device.type != "cuda" and not force_deferred():
+        return ""  # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
     if synced_gpus:
         if not _route_a():
             # 5.0-5.16 test the loop's device-tensor verdict on the host for `continue`: a sync we cannot remove
@@ -206,8 +208,6 @@ def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -
             # peers that finish early keep stepping on a token the extra step appended: their padding positions
             # in the cache would differ from stock's
             return "`synced_gpus=True` with a returned cache is not made async"
-    if input_ids.device.type != "cuda" and not force_deferred():
-        return ""  # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
     cache = model_kwargs.get("past_key_values")
     if cache is not None and _cache_is_returned(generation_config, model_kwargs):
         return cache_blocks_deferral(cache, _route_a())
@@ -288,7 +288,9 @@ def _undo_route_b(ctl: AsyncStop, outputs, model_kwargs):
     steps = ctl.finish()
     if not steps:
         return outputs
-    cache = getattr(outputs, "past_key_values", None) or model_kwargs.get("past_key_values")
+    cache = getattr(outputs, "past_key_values", None)
+    if cache is None:
+        cache = model_kwargs.get("past_key_values")
     if cache is not None and why_not_rollbackable(cache) is None:
         rollback_one_step(cache, ctl.kept_cache_length)
     if isinstance(outputs, torch.Tensor):
