@@ -116,8 +116,7 @@ class AsyncStop:
     # -- synced_gpus: the peers' verdict ---------------------------------------------------------------------
     def enable_peer_reduction(self) -> None:
         """Allocate, once per call, what the deferred all-reduce of `synced_gpus=True` needs."""
-        pin = self.cuda
-        self.peers = _PeerVerdict(self.device, pin)
+        self.peers = _PeerVerdict(self.device)
 
     def peers_done(self, this_peer_finished: bool) -> bool:
         """Reduce this peer's latest verdict over all peers; answer from the previous call's sum."""
@@ -268,8 +267,8 @@ class _PeerVerdict:
     sums at the same call, so they agree on when to stop; the one extra step is undone like a lagged stop.
     """
 
-    def __init__(self, device: torch.device, pin: bool):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device):
+        self.cuda = pin = device.type == "cuda"
         self.value = torch.zeros((), dtype=torch.float32, device=device)
         self.flag = torch.zeros((), dtype=torch.bool, device=device)
         self.sums = [torch.zeros((), dtype=torch.float32, pin_memory=pin) for _ in range(2)]
@@ -325,13 +324,8 @@ def patched_deferred_class(original, target):
             if self._ctl is None:
                 super().__init__(input_ids, max_length, cache, cache_is_returned, streamer, *args, **kwargs)
                 return
+            # `max_length` and the streamer are the ones our `_sample` wrapper gave the controller already
             self.streamer = streamer
-            self._ctl.max_length = max_length
-            self._ctl.streamer = streamer
-            if streamer is not None and self._ctl._tokens is None:
-                pin = self._ctl.cuda
-                self._ctl._tokens = [torch.zeros(input_ids.shape[0], dtype=torch.long, pin_memory=pin)
-                                     for _ in range(2)]
             self.cache = cache if cache_is_returned else None
             self._static = self.cache is not None and why_not_rollbackable(self.cache) is None and not getattr(
                 self.cache, "is_croppable", False)
