@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: CUDA tests on transformers 5.0.0, 5.17.0 and 5.23.0, stream-op costs, benchmark.
-#   bash scripts/gpu_check.sh [tests|bench|all] [extra bench args for 5.23...]
+# One call on a GPU machine: CUDA tests on transformers 5.0.0, 5.17.0 and 5.23.0, stream-op costs, benchmark,
+# and (on a machine with two GPUs) the multi-GPU tests: device_map, tensor parallel, synced_gpus over NCCL.
+#   bash scripts/gpu_check.sh [tests|bench|multi|all|tests,multi] [extra bench args for 5.23...]
 # Environment: VERSIONS="t500 t517 t523" (which releases), BENCH_OLD_CASES (cases for 5.0/5.17),
 #              BENCH_TRACE=1 (Chrome traces of the 5.23 cases)
 # transformers 5.17.0 is the device image's own; 5.0.0 and 5.23.0 travel as wheels in .whl/ (docs/gpu-runs.md).
@@ -21,7 +22,9 @@ site() {  # the carried wheels of one transformers release, in a folder of their
   echo "$dir"
 }
 
-if [ "$what" = tests ] || [ "$what" = all ]; then
+has() { case ",$what," in *",$1,"*|*",all,"*) return 0 ;; *) return 1 ;; esac; }
+
+if has tests; then
   python3 scripts/stream_overhead.py | tee "$out/stream_overhead.txt"
 fi
 for tag in ${VERSIONS:-t500 t517 t523}; do
@@ -29,11 +32,16 @@ for tag in ${VERSIONS:-t500 t517 t523}; do
   export PYTHONPATH="$dir:$PWD"
   ver=$(python3 -c "import transformers; print(transformers.__version__)")
   echo "=== transformers $ver"
-  if [ "$what" = tests ] || [ "$what" = all ]; then
+  if has tests; then
     python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py > "$out/pytest_$ver.txt" 2>&1
-    grep -E "SYNCS|passed|failed|Error" "$out/pytest_$ver.txt" | tail -30
+    grep -E "SYNCS|passed|failed|Error" "$out/pytest_$ver.txt" | tail -40
   fi
-  if [ "$what" = bench ] || [ "$what" = all ]; then
+  if has multi; then
+    NCCL_NVLS_ENABLE=0 python3 -m pytest -q -s -p no:cacheprovider tests/test_device_map.py \
+      tests/test_tensor_parallel.py tests/test_distributed.py > "$out/multi_$ver.txt" 2>&1
+    grep -E "SYNCS|passed|failed|Error" "$out/multi_$ver.txt" | tail -40
+  fi
+  if has bench; then
     if [ "$tag" = t523 ]; then args=("$@"); else args=(--cases "${BENCH_OLD_CASES:-tiny-llama,gpt2}"); fi
     [ -n "${BENCH_TRACE:-}" ] && [ "$tag" = t523 ] && args+=(--trace "$out/traces")
     python3 -m transformers_async_stop.bench "${args[@]}" --json "$out/bench_$ver.json" \

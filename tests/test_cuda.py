@@ -174,20 +174,44 @@ class CudaNoBlockingSyncPerStep(unittest.TestCase):
         self.assertGreaterEqual(stock_syncs, 2.0)
         self.assertEqual(on_syncs, 0.0 if route_a else 1.0)
 
-    def test_beam_search_static_cache_reorder_reads_no_counter(self):
-        """Beam search stays stock (one read per step for "all beams done"), minus one read per layer per step."""
+    @parameterized.expand([("dynamic", {}), ("static", dict(cache_implementation="static", disable_compile=True)),
+                           ("sampling_padded", dict(do_sample=True, padded=True))])
+    def test_beam_search_is_sync_free(self, name, kw):
+        """Stock: "are all beams done" read every step, and with a StaticCache one counter read per layer in
+        `reorder_cache`. Flag off (patched): the layer reads are gone. Flag on: the verdict is read one step late."""
         model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
-        kw = dict(num_beams=2, cache_implementation="static", disable_compile=True)
+        ids, mask = prompt(batch=2 if kw.get("padded") else 1, left_pad=bool(kw.get("padded")), device="cuda")
+        kw = dict(num_beams=2, **{k: v for k, v in kw.items() if k != "padded"})
         with stock():
             stock_syncs = syncs_per_step(model, ids, mask, **kw)
         patched_syncs = syncs_per_step(model, ids, mask, **kw)
-        print(f"\nSYNCS transformers={'.'.join(map(str, TRANSFORMERS_VERSION))} case=beam2_static "
-              f"stock={stock_syncs:.2f} patched={patched_syncs:.2f}")
-        # the one read left is beam search's own "are all beams done" (not deferred yet); stock adds one read per
-        # layer per step in reorder_cache (and, on 5.0, the cache-position read)
-        self.assertEqual(patched_syncs, 1.0)
-        self.assertGreaterEqual(stock_syncs, patched_syncs + model.config.num_hidden_layers)
+        on_syncs = syncs_per_step(model, ids, mask, async_stopping_criteria=True, **kw)
+        print(f"\nSYNCS transformers={'.'.join(map(str, TRANSFORMERS_VERSION))} case=beam2_{name} "
+              f"stock={stock_syncs:.2f} flag_off={patched_syncs:.2f} flag_on={on_syncs:.2f}")
+        self.assertEqual(on_syncs, 0.0)
+        self.assertGreaterEqual(stock_syncs, 1.0)
+        if name == "static":
+            self.assertGreaterEqual(stock_syncs, patched_syncs + model.config.num_hidden_layers)
+
+    @parameterized.expand([("greedy", {}), ("sampling", dict(do_sample=True, top_k=10)),
+                           ("static_returned", dict(cache_implementation="static", disable_compile=True))])
+    def test_beam_search_matches_stock(self, name, kw):
+        model = build("llama", device="cuda")
+        ids, mask = prompt(left_pad=True, device="cuda")
+        kw = dict(num_beams=3, num_return_sequences=2, early_stopping=True, max_new_tokens=12,
+                  eos_token_id=list(range(20, 40)), return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, pad_token_id=PAD, **kw)
+
+        def run(**extra):
+            torch.manual_seed(3)
+            out = model.generate(ids, attention_mask=mask, **kw, **extra)
+            return out, torch.rand(4, device="cuda")
+
+        with stock():
+            ref, ref_after = run()
+        on, on_after = run(async_stopping_criteria=True)
+        assert_same(self, ref, on)
+        self.assertTrue(torch.equal(ref_after, on_after), "CUDA RNG state after generate() differs")
 
     def test_many_eos_ids_are_sync_free(self):
         model = build("llama", device="cuda")

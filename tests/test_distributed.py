@@ -43,6 +43,14 @@ def _rank_main(rank: int, port: int, scenario: str, results, backend: str = "glo
 
         model = build("llama", device=device)
         ids, mask = prompt(batch=2, seed=10 + rank, device=device)  # each rank its own prompts
+        if scenario == "syncs":  # blocking syncs per decode step; both ranks make the same calls, in step
+            from test_cuda import syncs_per_step
+
+            with stock():
+                stock_syncs = syncs_per_step(model, ids, mask, synced_gpus=True)
+            flag_syncs = syncs_per_step(model, ids, mask, synced_gpus=True, async_stopping_criteria=True)
+            results.put((rank, stock_syncs, flag_syncs))
+            return
         kw = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=PAD, synced_gpus=True)
         if scenario == "ranks_finish_apart":  # rank 0 early, rank 1 late: rank 0 keeps stepping, appending nothing
             kw["eos_token_id"] = eos_ids_finishing_at(model, ids, mask, [1 + 5 * rank, 2 + 5 * rank])
@@ -135,6 +143,19 @@ class SyncedGpusNccl(SyncedGpus):
     """The same, one process per GPU over NCCL (NVLink multicast off)."""
 
     backend = "nccl"
+
+    def test_no_blocking_sync_per_step(self):
+        import transformers.generation.utils as gen_utils
+
+        from models import TRANSFORMERS_VERSION
+
+        got = _spawn("syncs", self.backend)
+        for rank, stock_syncs, flag_syncs in got:
+            print(f"\nSYNCS transformers={'.'.join(map(str, TRANSFORMERS_VERSION))} case=synced_gpus rank={rank} "
+                  f"stock={stock_syncs:.2f} flag_on={flag_syncs:.2f}")
+            self.assertGreaterEqual(stock_syncs, 2.0)
+            if hasattr(gen_utils, "DeferredStopCheck"):  # 5.17+: deferred; older releases run stock, warned
+                self.assertEqual(flag_syncs, 0.0)
 
 
 if __name__ == "__main__":

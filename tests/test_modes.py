@@ -31,18 +31,6 @@ class StockPathWithOneWarning(unittest.TestCase):
         self.assertIn(mode_words, str(caught[0].message))
         self.assertListEqual(ref.tolist(), out.tolist())
 
-    def test_beam_search(self):
-        model = build("llama")
-        ids, mask = prompt()
-        self.assert_stock_with_warning(model, "beam search", ids, attention_mask=mask, num_beams=3,
-                                       num_return_sequences=2, max_new_tokens=6, pad_token_id=PAD)
-
-    def test_beam_sampling(self):
-        model = build("llama")
-        ids, mask = prompt()
-        self.assert_stock_with_warning(model, "beam search", ids, attention_mask=mask, num_beams=2, do_sample=True,
-                                       max_new_tokens=6, pad_token_id=PAD)
-
     def test_assisted_decoding(self):
         model, assistant = build("llama"), build("llama", seed=5)
         ids, mask = prompt(batch=1)
@@ -131,7 +119,7 @@ class UserCriteriaThatReadTheDevice(unittest.TestCase):
 
 
 class BeamSearchWithStaticCache(unittest.TestCase):
-    """Beam search stays stock, but the static cache's reorder no longer reads its device counter: same results."""
+    """Flag off: the static cache's reorder no longer reads its device counter, with the same results as stock."""
 
     def test_reorder_without_the_length_read_matches_stock(self):
         from models import assert_same

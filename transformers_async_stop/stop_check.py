@@ -76,6 +76,9 @@ class AsyncStop:
         if self.cuda:
             self.main = torch.cuda.current_stream(self.device)
             self.side = side_stream(self.device)
+            # `torch.cuda.set_stream` also makes the stream's device current; the caller's current device may be
+            # another one (inputs on cuda:1 while cuda:0 is current), and is put back after each side section
+            self._home = torch.cuda.current_device()
             # one event per slot marks the end of a step's side-stream work (criteria, update, verdict copy): the
             # host waits on the previous slot, the main stream on the current one
             self._copied = [torch.cuda.Event() for _ in range(2)]
@@ -163,6 +166,8 @@ class AsyncStop:
             done = self._copied[self.steps % 2]
         done.record(self.side)
         torch.cuda.set_stream(self.main)
+        if self._home != self.main.device_index:
+            torch.cuda.set_device(self._home)
         self._on_side = False
         self._pending = done
         if self.steps == 0:
@@ -203,7 +208,8 @@ class AsyncStop:
             if self._on_side:
                 self.to_main(self._copied[slot])
             else:
-                self._copied[slot].record()
+                # on the stream of the verdict's device, whichever device is current (a model split over GPUs)
+                self._copied[slot].record(self.main)
 
         if self.steps > 0:
             previous = 1 - slot
@@ -273,6 +279,7 @@ class _PeerVerdict:
         self.flag = torch.zeros((), dtype=torch.bool, device=device)
         self.sums = [torch.zeros((), dtype=torch.float32, pin_memory=pin) for _ in range(2)]
         self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self.calls = 0
 
     def reduce_and_read_previous(self) -> bool:
@@ -282,7 +289,7 @@ class _PeerVerdict:
         dist.all_reduce(self.value, op=dist.ReduceOp.SUM)
         self.sums[slot].copy_(self.value, non_blocking=True)
         if self.cuda:
-            self.events[slot].record()
+            self.events[slot].record(self.stream)
         self.calls += 1
         if self.calls == 1:
             return False  # nothing reduced before this call: keep going, as stock does on its first check

@@ -94,8 +94,21 @@ TARGETS: tuple[Target, ...] = (
             "cache after the first forward (5.0-5.16 create it there)",
     ),
     Target(
-        "GenerationMixin._beam_search", _GEN, "GenerationMixin", "_beam_search", "generation:stock_with_warning",
-        required=False, extra={"mode": "beam search"}, why="not made async yet: stock path, one warning",
+        "GenerationMixin._beam_search", _GEN, "GenerationMixin", "_beam_search", "beam:patched_beam_search",
+        params=("input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus"),
+        why="runs beam search with the lagged verdict; undoes the extra step in what it returns",
+    ),
+    Target(
+        "GenerationMixin._beam_search_has_unfinished_sequences", _GEN, "GenerationMixin",
+        "_beam_search_has_unfinished_sequences", "beam:patched_beam_verdict",
+        params=("is_early_stop_heuristic_unsatisfied", "is_sent_finished", "next_token_hits_stopping_criteria"),
+        why="its device verdict is read by `not` every step; we answer from the previous step's",
+    ),
+    Target(
+        "GenerationMixin._update_finished_beams", _GEN, "GenerationMixin", "_update_finished_beams",
+        "beam:patched_update_finished_beams",
+        params=("sequences", "topk_running_sequences", "beam_scores", "topk_log_probs", "beam_indices"),
+        why="keeps the finished beams of the step the flag-off run stopped at, through the extra step",
     ),
     Target(
         "GenerationMixin._assisted_decoding", _GEN, "GenerationMixin", "_assisted_decoding",
