@@ -106,7 +106,7 @@ class DeviceMapFlagOnEqualsStock(unittest.TestCase):
         self.assertEqual(ctl.main.device, device)
         self.assertEqual(ctl.side.device, device)
         self.assertEqual(torch.cuda.current_device(), 0, "generate() changed the caller's current device")
-        self.assertIs(torch.cuda.current_stream(device), ctl.main, "the input device's stream was not given back")
+        self.assertEqual(torch.cuda.current_stream(device), ctl.main, "the input device's stream was not given back")
 
 
 if __name__ == "__main__":

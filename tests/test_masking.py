@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import unittest
+import weakref
 from unittest import mock
 
 import torch
@@ -95,3 +96,34 @@ class OnlyTaggedMasksTakeTheShortcut(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class MovedCopiesKeepTheSummary(unittest.TestCase):
+    """accelerate moves a dispatched model's inputs to its main device each forward: the copy is recognised only
+    inside generate(), only as a copy of the mask generate() feeds, and only on another device."""
+
+    def setUp(self):
+        from transformers_async_stop import masking
+
+        self.masking = masking
+        self.fed_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+        masking._tag(self.fed_mask, masking.MaskSummary(self.fed_mask), 3)
+        self.holder = masking.FedMask()
+        self.holder.latest = weakref.ref(self.fed_mask)
+
+    def tag_of(self, tensor, inside_generate=True):
+        token = self.masking.FED.set(self.holder if inside_generate else None)
+        try:
+            return self.masking._tag_of(tensor)
+        finally:
+            self.masking.FED.reset(token)
+
+    def test_copy_on_another_device_shares_the_tag(self):
+        moved = self.fed_mask.to("meta")  # stands in for cuda:0 <- cuda:1; never read
+        self.assertIs(self.tag_of(moved), getattr(self.fed_mask, self.masking._TAG))
+
+    def test_other_masks_are_not_mistaken_for_copies(self):
+        self.assertIsNone(self.tag_of(self.fed_mask.clone()))  # same device: could be anything
+        self.assertIsNone(self.tag_of(self.fed_mask[:, :2].to("meta")))  # another shape
+        self.assertIsNone(self.tag_of(self.fed_mask.to(device="meta", dtype=torch.bool)))  # another dtype
+        self.assertIsNone(self.tag_of(self.fed_mask.to("meta"), inside_generate=False))

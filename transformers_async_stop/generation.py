@@ -26,6 +26,7 @@ from transformers.generation.stopping_criteria import (
 from .cache_rollback import cache_blocks_deferral, rollback_one_step, why_not_rollbackable
 from .config import FIELD, _mark, check_flag, flag_of, force_deferred, warn_stock
 from .inputs import IN_GENERATE
+from .masking import FED, FedMask
 from .patching import MARKER
 from .stop_check import ACTIVE, AsyncStop
 
@@ -49,9 +50,11 @@ def patched_generate(original, target):
         scope = _Scope(user_cache=kwargs.get("past_key_values") is not None)
         in_generate = IN_GENERATE.set("cache_position" not in kwargs)
         scope_token = SCOPE.set(scope)
+        fed_token = FED.set(FedMask())
         try:
             return original(self, *args, **kwargs)
         finally:
+            FED.reset(fed_token)
             SCOPE.reset(scope_token)
             IN_GENERATE.reset(in_generate)
 

@@ -13,12 +13,17 @@ column structure. Every reduction the stock check performs (`.all()`, `fast_all`
 answer on the stand-in, so the decision is unchanged and no device tensor is read.
 
 A mask we did not tag (a plain forward, a mask a model built itself, an encoder mask) goes to the stock check
-untouched, so outside `generate()` behaviour is exactly stock.
+untouched, so outside `generate()` behaviour is exactly stock. One kind of copy is recognised: a model dispatched by
+accelerate moves its inputs to its main device at every forward (`AlignDevicesHook`), which makes a new, untagged
+tensor. During `generate()`, a mask with the same shape and dtype as the one `generate()` is feeding, on another
+device, is that copy and shares its tag.
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
+import weakref
 
 import torch
 
@@ -26,6 +31,19 @@ from .config import _mark, force_deferred
 from .stop_check import ACTIVE
 
 _TAG = "_transformers_async_stop_mask"
+
+
+class FedMask:
+    """Per `generate()` call: the tagged mask it feeds the model now, to recognise copies moved to another device."""
+
+    __slots__ = ("latest",)
+
+    def __init__(self):
+        self.latest = None  # weakref to the tensor, so the holder never keeps a mask alive
+
+
+FED: contextvars.ContextVar[FedMask | None] = contextvars.ContextVar("transformers_async_stop_fed_mask",
+                                                                    default=None)
 
 
 class MaskSummary:
@@ -70,6 +88,12 @@ def _tag_of(tensor):
     if tag is None and base is not None and base.shape == tensor.shape:
         # a same-shape view (GPT-2 does `attention_mask.view(batch_size, -1)`) has the same content
         tag = getattr(base, _TAG, None)
+    if tag is None:
+        fed = FED.get()
+        source = fed.latest() if fed is not None and fed.latest is not None else None
+        if (source is not None and source.device != tensor.device and source.shape == tensor.shape
+                and source.dtype == tensor.dtype):
+            tag = getattr(source, _TAG, None)  # the fed mask, moved by accelerate to its main device
     return tag
 
 
@@ -106,6 +130,9 @@ def patched_update_model_kwargs(original, target):
             summary = tag[0] if tag is not None else MaskSummary(before)
             # stock appends `new_ones` columns: the grown mask is the old one followed by ones
             _tag(after, summary, after.shape[-1])
+            fed = FED.get()
+            if fed is not None:
+                fed.latest = weakref.ref(after)
         return updated
 
     return _mark(_update_model_kwargs_for_generation, original)
