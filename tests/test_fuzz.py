@@ -1,15 +1,17 @@
 """Seeded differential fuzzing: flag on (one-step-late path, forced on CPU) vs stock transformers, bit for bit.
 
 Each draw picks, from `random.Random(seed)`: a model family, batch size 1-4, left padding, EOS positions per row,
-extra logits processors, `max_new_tokens` or `max_length`, greedy or seeded sampling, output flags and the cache
-kind. The flag-on output must equal stock's exactly (sequences, scores, logits, hidden states, returned cache),
+extra logits processors, `max_new_tokens` or `max_length`, greedy or seeded sampling, output flags, the cache
+kind, and in one draw of five beam search (beams, `early_stopping`, `num_return_sequences`, length penalty). The flag-on output must equal stock's exactly (sequences, scores, logits, hidden states, returned cache),
 the RNG must be left in the same state (`torch.rand(4)` after the call), and the deferred path must have run: one
 extra forward exactly when stock stopped before the length limit, and no `StockPathWarning`.
 
 Environment:
 - `TAS_FUZZ_DRAWS`: number of draws (default 300);
 - `TAS_FUZZ_SEED`: the first draw's seed (default 0; draw i uses seed TAS_FUZZ_SEED + i);
-- `TAS_FUZZ_ONLY`: a comma-separated list of seeds to replay instead (e.g. the ones a failure reported).
+- `TAS_FUZZ_ONLY`: a comma-separated list of seeds to replay instead (e.g. the ones a failure reported);
+- `TAS_FUZZ_DEVICE`: where the models run (default cpu; `cuda` on a GPU machine, where a static cache is used
+  without auto-compilation: every draw's new shapes would recompile, and compiled decoding has tests of its own).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ FAMILIES = ("llama", "gpt2", "qwen2", "mistral")
 STATIC_FAMILIES = ("llama", "qwen2", "mistral")
 MAX_STEPS = 16
 CHUNK = 50
+DEVICE = os.environ.get("TAS_FUZZ_DEVICE", "cpu")
 
 
 def _seeds() -> list[int]:
@@ -49,7 +52,7 @@ CHUNKS = [SEEDS[i:i + CHUNK] for i in range(0, len(SEEDS), CHUNK)]
 @functools.lru_cache(maxsize=None)
 def model_of(family):
     """One model per family per process: generate() leaves no state on the model."""
-    return build(family)
+    return build(family, device=DEVICE)
 
 
 def draw(seed: int) -> dict:
@@ -93,23 +96,33 @@ def draw(seed: int) -> dict:
                 case[name] = True
     kinds = ("dynamic", "user_dynamic") + (("static",) if family in STATIC_FAMILIES else ())
     case["cache"] = rng.choice(kinds)
+    # drawn last, so that the draws above are the same as before beam search joined
+    if rng.random() < 0.2:
+        beams = case["num_beams"] = rng.choice((2, 3))
+        case["early_stopping"] = rng.choice((True, False, "never"))
+        if rng.random() < 0.4:
+            case["num_return_sequences"] = rng.randint(1, beams)
+        if rng.random() < 0.3:
+            case["length_penalty"] = rng.choice((-1.0, 0.0, 2.0))
     return case
 
 
 GENERATE_KEYS = ("max_new_tokens", "max_length", "repetition_penalty", "min_new_tokens", "do_sample", "top_k",
                  "top_p", "temperature", "return_dict_in_generate", "output_scores", "output_logits",
-                 "output_hidden_states")
+                 "output_hidden_states", "num_beams", "early_stopping", "num_return_sequences", "length_penalty")
 
 
 def run(case: dict, flag: bool, eos=None):
     """(output, user cache or None, torch.rand(4) after, forward count, StockPathWarnings) of one call."""
     model = model_of(case["family"])
-    ids, mask = prompt(batch=case["batch"], left_pad=case["left_pad"], seed=case["prompt_seed"])
+    ids, mask = prompt(batch=case["batch"], left_pad=case["left_pad"], seed=case["prompt_seed"], device=DEVICE)
     kwargs = {key: case[key] for key in GENERATE_KEYS if key in case}
     kwargs["eos_token_id"] = eos
     cache = None
     if case["cache"] == "static":
         kwargs["cache_implementation"] = "static"
+        if DEVICE != "cpu":
+            kwargs["disable_compile"] = True
     elif case["cache"] == "user_dynamic":
         cache = kwargs["past_key_values"] = DynamicCache(config=model.config)
     if flag:
@@ -120,7 +133,7 @@ def run(case: dict, flag: bool, eos=None):
             warnings.simplefilter("always", StockPathWarning)
             torch.manual_seed(case["sample_seed"])
             out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kwargs)
-            after = torch.rand(4)
+            after = torch.rand(4, device=DEVICE)
     finally:
         counter.close()
     stock_path = [str(w.message) for w in caught if issubclass(w.category, StockPathWarning)]
@@ -170,8 +183,9 @@ class DifferentialFuzz(unittest.TestCase):
             assert_same(self, ref_cache, on_cache, "user cache")
         self.assertTrue(torch.equal(ref_after, on_after), "RNG state after generate() differs")
         self.assertEqual(stock_path, [], "the flag-on call ran the stock path")
-        sequences = ref if isinstance(ref, torch.Tensor) else ref.sequences
-        stopped_early = sequences.shape[1] < limit_of(case)
+        # one forward per step: stock stopped early when it made fewer steps than the limit allows (beam search
+        # may return shorter sequences than the steps it made: its best beams can have finished earlier)
+        stopped_early = ref_forwards < limit_of(case) - PROMPT_LEN
         self.assertEqual(on_forwards - ref_forwards, 1 if stopped_early else 0,
                          f"forwards: stock {ref_forwards}, flag on {on_forwards}, stopped early: {stopped_early}")
         return stopped_early
@@ -201,7 +215,8 @@ class DrawsCoverTheSpace(unittest.TestCase):
         self.assertEqual({c["cache"] for c in cases}, {"dynamic", "user_dynamic", "static"})
         self.assertNotIn("static", {c["cache"] for c in cases if c["family"] == "gpt2"})
         for key in ("max_length", "max_new_tokens", "repetition_penalty", "min_new_tokens", "top_k", "top_p",
-                    "temperature", "output_scores", "output_logits", "output_hidden_states"):
+                    "temperature", "output_scores", "output_logits", "output_hidden_states", "num_beams",
+                    "num_return_sequences", "length_penalty"):
             self.assertTrue(any(key in c for c in cases), key)
         self.assertTrue(any(c["do_sample"] for c in cases) and not all(c["do_sample"] for c in cases))
         self.assertTrue(any(c["left_pad"] for c in cases) and not all(c["left_pad"] for c in cases))
