@@ -97,6 +97,9 @@ class Case:
     custom: bool = False  # the user criteria/processor of issue #43089
 
 
+BEAMS = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One measured configuration of a case: all variants run on it."""
@@ -104,7 +107,7 @@ class Run:
     case: Case
     mode: str  # "eager" (DynamicCache) or "static" (StaticCache, auto-compiled into CUDA graphs on CUDA)
     batch: int
-    decode: str  # "greedy", "sample" or "padded" (greedy, left-padded batch)
+    decode: str  # "greedy", "sample", "padded" (greedy, left-padded batch) or "beam" (BEAMS beams, greedy)
     new_tokens: int
     dtype: str
 
@@ -168,7 +171,7 @@ def plan_runs(args, device: torch.device) -> list[tuple[Case, list[Run]]]:
     if args.model:
         selected.append(model_case(args.model))
 
-    # the sampling and left-padded runs go to the largest built-in case selected (tiny on CPU)
+    # the sampling, left-padded and beam-search runs go to the largest built-in case selected (tiny on CPU)
     extras_to = "llama-1b" if "llama-1b" in names else ("tiny-llama" if "tiny-llama" in names else None)
     modes = [m.strip() for m in args.modes.split(",")] if args.modes else ["eager", "static"]
     plan = []
@@ -180,6 +183,7 @@ def plan_runs(args, device: torch.device) -> list[tuple[Case, list[Run]]]:
         if case.name == extras_to and "static" in modes:
             runs.append(Run(case, "static", args.batch[0] if args.batch else 1, "sample", n, dtype))
             runs.append(Run(case, "static", args.batch[0] if args.batch else 8, "padded", n, dtype))
+            runs.append(Run(case, "static", args.batch[0] if args.batch else 1, "beam", n, dtype))
         plan.append((case, runs))
     return plan
 
@@ -222,7 +226,7 @@ def generate_kwargs(run: Run, model, inputs: dict, new_tokens: int) -> dict:
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,  # eos is masked until the budget is spent: every variant does the same work
         do_sample=run.decode == "sample",
-        num_beams=1,
+        num_beams=BEAMS if run.decode == "beam" else 1,
         pad_token_id=pad_token_id(run.case, model),
     )
     if run.mode == "static":
