@@ -162,3 +162,17 @@ def generate_and_draw(model, ids, mask, flag, seed=123, **kwargs):
     finally:
         counter.close()
     return out, after, counter.count
+
+
+def assert_flag_matches_stock(test, model, ids, mask, device, seed=3, **kwargs):
+    """generate() with the flag returns stock transformers' output and leaves `device`'s RNG in the same state."""
+    def run(**extra):
+        torch.manual_seed(seed)
+        out = model.generate(ids, attention_mask=mask, **kwargs, **extra)
+        return out, torch.rand(4, device=device)
+
+    with stock():
+        ref, ref_after = run()
+    on, on_after = run(async_stopping_criteria=True)
+    assert_same(test, ref, on)
+    test.assertTrue(torch.equal(ref_after, on_after), f"RNG state of {device} after generate() differs")

@@ -17,7 +17,6 @@ from parameterized import parameterized
 from transformers import DynamicCache, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from models import (
-    PAD,
     PROMPT_LEN,
     assert_same,
     build,

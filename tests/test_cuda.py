@@ -14,7 +14,16 @@ import torch
 from parameterized import parameterized
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from models import PAD, TRANSFORMERS_VERSION, assert_same, build, eos_ids_finishing_at, prompt, stock
+from models import (
+    PAD,
+    TRANSFORMERS_VERSION,
+    assert_flag_matches_stock,
+    assert_same,
+    build,
+    eos_ids_finishing_at,
+    prompt,
+    stock,
+)
 
 CUDA = torch.cuda.is_available()
 requires_cuda = unittest.skipUnless(CUDA, "needs a CUDA device")
@@ -46,6 +55,18 @@ def syncs_per_step(model, ids, mask, new_tokens=24, fixed_length=True, **kwargs)
     return (count_syncs(call(new_tokens)) - count_syncs(call(1))) / (new_tokens - 1)
 
 
+def check_decode_matches_stock(test, model, device, sampling: bool, padded: bool, cache: str):
+    """Rows stopping at different steps, full outputs, flag on vs stock transformers (shared with test_device_map)."""
+    ids, mask = prompt(left_pad=padded, device=device)
+    kw = dict(max_new_tokens=12, eos_token_id=eos_ids_finishing_at(model, ids, mask, [2, 5, 4]),
+              return_dict_in_generate=True, output_scores=True, output_logits=True, pad_token_id=PAD)
+    if sampling:
+        kw.update(do_sample=True, top_k=10)
+    if cache == "static":
+        kw.update(cache_implementation="static", disable_compile=True)
+    assert_flag_matches_stock(test, model, ids, mask, device, **kw)
+
+
 @requires_cuda
 class CudaFlagOnEqualsStock(unittest.TestCase):
     @parameterized.expand([
@@ -57,25 +78,7 @@ class CudaFlagOnEqualsStock(unittest.TestCase):
         if not (family == "gpt2" and cache == "static")
     ])
     def test_outputs_match_stock(self, family, sampling, padded, cache):
-        model = build(family, device="cuda")
-        ids, mask = prompt(left_pad=padded, device="cuda")
-        kw = dict(max_new_tokens=12, eos_token_id=eos_ids_finishing_at(model, ids, mask, [2, 5, 4]),
-                  return_dict_in_generate=True, output_scores=True, output_logits=True, pad_token_id=PAD)
-        if sampling:
-            kw.update(do_sample=True, top_k=10)
-        if cache == "static":
-            kw.update(cache_implementation="static", disable_compile=True)
-
-        def run(**extra):
-            torch.manual_seed(3)
-            out = model.generate(ids, attention_mask=mask, **kw, **extra)
-            return out, torch.rand(4, device="cuda")
-
-        with stock():
-            ref, ref_after = run()
-        on, on_after = run(async_stopping_criteria=True)
-        assert_same(self, ref, on)
-        self.assertTrue(torch.equal(ref_after, on_after), "CUDA RNG state after generate() differs")
+        check_decode_matches_stock(self, build(family, device="cuda"), torch.device("cuda"), sampling, padded, cache)
 
 
 class SlowOnItsStream(StoppingCriteria):
@@ -201,17 +204,7 @@ class CudaNoBlockingSyncPerStep(unittest.TestCase):
         kw = dict(num_beams=3, num_return_sequences=2, early_stopping=True, max_new_tokens=12,
                   eos_token_id=list(range(20, 40)), return_dict_in_generate=True, output_scores=True,
                   output_logits=True, pad_token_id=PAD, **kw)
-
-        def run(**extra):
-            torch.manual_seed(3)
-            out = model.generate(ids, attention_mask=mask, **kw, **extra)
-            return out, torch.rand(4, device="cuda")
-
-        with stock():
-            ref, ref_after = run()
-        on, on_after = run(async_stopping_criteria=True)
-        assert_same(self, ref, on)
-        self.assertTrue(torch.equal(ref_after, on_after), "CUDA RNG state after generate() differs")
+        assert_flag_matches_stock(self, model, ids, mask, "cuda", **kw)
 
     def test_many_eos_ids_are_sync_free(self):
         model = build("llama", device="cuda")

@@ -14,7 +14,7 @@ from unittest import mock
 import torch
 from parameterized import parameterized
 
-from models import PAD, TRANSFORMERS_VERSION, assert_same, build, eos_ids_finishing_at, prompt, stock
+from models import PAD, TRANSFORMERS_VERSION, build, prompt, stock
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
@@ -50,25 +50,10 @@ class DeviceMapFlagOnEqualsStock(unittest.TestCase):
         for cache in ("dynamic", "static")
     ])
     def test_outputs_match_stock(self, layout, sampling, padded, cache):
+        from test_cuda import check_decode_matches_stock
+
         model, device = split(layout)
-        ids, mask = prompt(left_pad=padded, device=device)
-        kw = dict(max_new_tokens=12, eos_token_id=eos_ids_finishing_at(model, ids, mask, [2, 5, 4]),
-                  return_dict_in_generate=True, output_scores=True, output_logits=True, pad_token_id=PAD)
-        if sampling:
-            kw.update(do_sample=True, top_k=10)
-        if cache == "static":
-            kw.update(cache_implementation="static", disable_compile=True)
-
-        def run(**extra):
-            torch.manual_seed(3)
-            out = model.generate(ids, attention_mask=mask, **kw, **extra)
-            return out, torch.rand(4, device=device)
-
-        with stock():
-            ref, ref_after = run()
-        on, on_after = run(async_stopping_criteria=True)
-        assert_same(self, ref, on)
-        self.assertTrue(torch.equal(ref_after, on_after), "RNG state of the input device after generate() differs")
+        check_decode_matches_stock(self, model, device, sampling, padded, cache)
 
     @parameterized.expand([(layout,) for layout in LAYOUTS])
     def test_no_blocking_sync_per_step(self, layout):

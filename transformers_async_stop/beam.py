@@ -24,7 +24,7 @@ import contextvars
 import torch
 
 from .cache_rollback import rollback_one_step, why_not_rollbackable
-from .config import _mark, flag_of, force_deferred, warn_stock
+from .config import _mark, force_deferred, runs_stock
 from .stop_check import ACTIVE, AsyncStop
 
 
@@ -88,12 +88,8 @@ def patched_beam_search(original, target):
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, **model_kwargs)
 
-        if not flag_of(generation_config):
-            return stock()
-        reason = _why_stock(self, input_ids, generation_config, synced_gpus, model_kwargs)
-        if reason is not None:
-            if reason:
-                warn_stock(reason)
+        if runs_stock(generation_config, lambda: _why_stock(self, input_ids, generation_config, synced_gpus,
+                                                             model_kwargs)):
             return stock()
 
         from .generation import _cache_is_returned

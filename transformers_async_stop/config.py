@@ -19,13 +19,26 @@ class StockPathWarning(UserWarning):
     """`async_stopping_criteria=True` was asked for where the deferred path cannot run; the stock path ran."""
 
 
-def warn_stock(reason: str) -> None:
+def warn_stock(reason: str, stacklevel: int = 4) -> None:
     warnings.warn(
         f"async_stopping_criteria=True: {reason}; running the stock generation loop instead "
         "(identical output, one blocking read per step).",
         StockPathWarning,
-        stacklevel=4,
+        stacklevel=stacklevel,
     )
+
+
+def runs_stock(generation_config, why_stock) -> bool:
+    """Whether a decoding method must run its stock loop: the flag is off, or `why_stock()` gives a reason
+    (a non-empty one is warned once; "" means silently, e.g. on a synchronous device)."""
+    if not flag_of(generation_config):
+        return True
+    reason = why_stock()
+    if reason is None:
+        return False
+    if reason:
+        warn_stock(reason, stacklevel=5)
+    return True
 
 
 def force_deferred() -> bool:

@@ -24,7 +24,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from .cache_rollback import cache_blocks_deferral, rollback_one_step, why_not_rollbackable
-from .config import FIELD, _mark, check_flag, flag_of, force_deferred, warn_stock
+from .config import FIELD, _mark, check_flag, flag_of, force_deferred, runs_stock, warn_stock
 from .inputs import IN_GENERATE
 from .masking import FED, FedMask
 from .patching import MARKER
@@ -224,12 +224,8 @@ def patched_sample(original, target):
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
-        if not flag_of(generation_config):
-            return stock()
-        reason = _why_stock(self, input_ids, generation_config, synced_gpus, model_kwargs)
-        if reason is not None:
-            if reason:
-                warn_stock(reason)
+        if runs_stock(generation_config, lambda: _why_stock(self, input_ids, generation_config, synced_gpus,
+                                                             model_kwargs)):
             return stock()
 
         route_a = _route_a()
