@@ -25,6 +25,7 @@ import torch
 
 from .cache_rollback import rollback_one_step, why_not_rollbackable
 from .config import _mark, force_deferred, runs_stock
+from .generation import _cache_is_returned, trim_recorded
 from .stop_check import ACTIVE, AsyncStop
 
 
@@ -63,8 +64,6 @@ BEAM: contextvars.ContextVar[BeamLag | None] = contextvars.ContextVar("transform
 
 
 def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -> str | None:
-    from .generation import _cache_is_returned
-
     if getattr(generation_config, "is_assistant", False):
         return ""
     if input_ids.device.type != "cuda" and not force_deferred():
@@ -92,8 +91,6 @@ def patched_beam_search(original, target):
                                                              model_kwargs)):
             return stock()
 
-        from .generation import _cache_is_returned
-
         ctl = AsyncStop(input_ids, generation_config.max_length, do_sample=bool(generation_config.do_sample))
         # 5.0-5.16 create the cache in the first forward: `see_cache` checks it then, and a returned cache that
         # cannot give a step back turns the controller synchronous (stock's reads, one warning)
@@ -108,7 +105,7 @@ def patched_beam_search(original, target):
             ctl.close()
         steps = ctl.finish()
         if steps and not isinstance(outputs, torch.Tensor):
-            _trim_recorded(outputs, steps)
+            trim_recorded(outputs, steps)  # the finished beams themselves were kept on the device
         if steps and returned:
             cache = None if isinstance(outputs, torch.Tensor) else getattr(outputs, "past_key_values", None)
             cache = model_kwargs.get("past_key_values") if cache is None else cache
@@ -117,15 +114,6 @@ def patched_beam_search(original, target):
         return outputs
 
     return _mark(_beam_search, original)
-
-
-def _trim_recorded(outputs, steps: int) -> None:
-    """Drop what the extra step appended to the per-step records (the finished beams were kept on the device)."""
-    for name in ("scores", "logits", "attentions", "hidden_states", "decoder_attentions", "cross_attentions",
-                 "decoder_hidden_states"):
-        recorded = getattr(outputs, name, None)
-        if isinstance(recorded, tuple) and recorded:
-            setattr(outputs, name, recorded[:-steps])
 
 
 def patched_beam_verdict(original, target):

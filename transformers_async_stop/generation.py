@@ -295,9 +295,14 @@ def _undo_route_b(ctl: AsyncStop, outputs, model_kwargs):
     if isinstance(outputs, torch.Tensor):
         return outputs[..., :-steps]
     outputs.sequences = outputs.sequences[..., :-steps]
+    trim_recorded(outputs, steps)
+    return outputs
+
+
+def trim_recorded(outputs, steps: int) -> None:
+    """Drop what the undone steps appended to a generate output's per-step records."""
     for name in ("scores", "logits", "attentions", "hidden_states", "decoder_attentions", "cross_attentions",
                  "decoder_hidden_states"):
         recorded = getattr(outputs, name, None)
         if isinstance(recorded, tuple) and recorded:
             setattr(outputs, name, recorded[:-steps])
-    return outputs
