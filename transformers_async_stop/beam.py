@@ -24,7 +24,7 @@ import contextvars
 import torch
 
 from .cache_rollback import rollback_one_step, why_not_rollbackable
-from .config import _mark, force_deferred, runs_stock
+from .config import _mark, runs_stock
 from .generation import _cache_is_returned, trim_recorded
 from .stop_check import ACTIVE, AsyncStop
 
@@ -63,11 +63,7 @@ class BeamLag:
 BEAM: contextvars.ContextVar[BeamLag | None] = contextvars.ContextVar("transformers_async_stop_beam", default=None)
 
 
-def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -> str | None:
-    if getattr(generation_config, "is_assistant", False):
-        return ""
-    if input_ids.device.type != "cuda" and not force_deferred():
-        return ""  # nothing to gain on a synchronous device: stock, silently
+def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | None:
     if synced_gpus:
         return "beam search with `synced_gpus=True` is not made async"
     cache = model_kwargs.get("past_key_values")
@@ -87,8 +83,8 @@ def patched_beam_search(original, target):
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, **model_kwargs)
 
-        if runs_stock(generation_config, lambda: _why_stock(self, input_ids, generation_config, synced_gpus,
-                                                             model_kwargs)):
+        if runs_stock(generation_config, input_ids.device,
+                      lambda: _why_stock(self, generation_config, synced_gpus, model_kwargs)):
             return stock()
 
         ctl = AsyncStop(input_ids, generation_config.max_length, do_sample=bool(generation_config.do_sample))

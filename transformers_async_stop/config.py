@@ -28,11 +28,13 @@ def warn_stock(reason: str, stacklevel: int = 4) -> None:
     )
 
 
-def runs_stock(generation_config, why_stock) -> bool:
-    """Whether a decoding method must run its stock loop: the flag is off, or `why_stock()` gives a reason
-    (a non-empty one is warned once; "" means silently, e.g. on a synchronous device)."""
-    if not flag_of(generation_config):
-        return True
+def runs_stock(generation_config, device, why_stock) -> bool:
+    """Whether a decoding method must run its stock loop: the flag is off, the loop is an assistant's, the device is
+    synchronous, or the method's own `why_stock()` gives a reason (warned once; "" means silently)."""
+    if not flag_of(generation_config) or getattr(generation_config, "is_assistant", False):
+        return True  # an assistant's own loop inside assisted decoding runs stock silently: the caller warned
+    if device.type != "cuda" and not force_deferred():
+        return True  # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
     reason = why_stock()
     if reason is None:
         return False

@@ -24,7 +24,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from .cache_rollback import cache_blocks_deferral, rollback_one_step, why_not_rollbackable
-from .config import FIELD, _mark, check_flag, flag_of, force_deferred, runs_stock, warn_stock
+from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
 from .inputs import IN_GENERATE
 from .masking import FED, FedMask
 from .patching import MARKER
@@ -198,11 +198,7 @@ def _cache_is_returned(generation_config, model_kwargs) -> bool:
                 or (scope is not None and scope.user_cache))
 
 
-def _why_stock(model, input_ids, generation_config, synced_gpus, model_kwargs) -> str | None:
-    if getattr(generation_config, "is_assistant", False):
-        return ""  # the assistant's own loop inside assisted decoding: silently stock, the caller warned
-    if input_ids.device.type != "cuda" and not force_deferred():
-        return ""  # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
+def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | None:
     if synced_gpus:
         if not _route_a():
             # 5.0-5.16 test the loop's device-tensor verdict on the host for `continue`: a sync we cannot remove
@@ -224,8 +220,8 @@ def patched_sample(original, target):
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
-        if runs_stock(generation_config, lambda: _why_stock(self, input_ids, generation_config, synced_gpus,
-                                                             model_kwargs)):
+        if runs_stock(generation_config, input_ids.device,
+                      lambda: _why_stock(self, generation_config, synced_gpus, model_kwargs)):
             return stock()
 
         route_a = _route_a()
