@@ -154,10 +154,14 @@ class BeamSearchFallsBackWithOneWarning(unittest.TestCase):
 
 
 class FinishedBeamsSurviveTheExtraStep(unittest.TestCase):
-    """The guard on `_update_finished_beams`: once the previous verdict said "done", the previous beams stay."""
+    """`_update_finished_beams` in the extra step (known on the host by then) returns the beams it was given."""
 
-    def _update(self, done_now):
+    def _update(self, extra):
+        from types import SimpleNamespace
+
         from transformers.generation.utils import GenerationMixin
+
+        from transformers_async_stop.call_state import CALL, CallState
 
         model = build("llama")
         batch, beams, length = 1, 2, 8
@@ -166,9 +170,9 @@ class FinishedBeamsSurviveTheExtraStep(unittest.TestCase):
         topk_sequences = torch.ones(batch, 2 * beams, length, dtype=torch.long)
         topk_log_probs = torch.zeros(batch, 2 * beams)  # better than every old score
         topk_beam_indices = torch.zeros(batch, 2 * beams, length - 2, dtype=torch.int32)
-        lag = beam.BeamLag(ctl=None, flat_batch=batch * beams, device=torch.device("cpu"), guard_reorder=False)
-        lag.done_now = None if done_now is None else torch.tensor(done_now)
-        token = beam.BEAM.set(lag)
+        state = CallState(model, user_cache=False, slice_inputs=True)
+        state.ctl = SimpleNamespace(extra=extra)
+        token = CALL.set(state)
         try:
             return old, GenerationMixin._update_finished_beams(
                 model, sequences=old[0], topk_running_sequences=topk_sequences, beam_scores=old[1],
@@ -180,16 +184,15 @@ class FinishedBeamsSurviveTheExtraStep(unittest.TestCase):
                 decoder_prompt_len=2, length_penalty=1.0, early_stopping=False,
             )
         finally:
-            beam.BEAM.reset(token)
+            CALL.reset(token)
 
-    def test_previous_beams_kept_after_done(self):
+    def test_previous_beams_kept_in_the_extra_step(self):
         old, new = self._update(True)
         for before, after in zip(old, new[:3]):
             self.assertTrue(torch.equal(before, after))
 
-    @parameterized.expand([("not_done", False), ("first_step", None)])
-    def test_new_beams_taken_while_running(self, name, done_now):
-        old, new = self._update(done_now)
+    def test_new_beams_taken_in_a_real_step(self):
+        old, new = self._update(False)
         self.assertTrue(torch.equal(new[0], torch.ones_like(old[0])))  # the finished candidates replaced the old
 
 

@@ -105,6 +105,30 @@ class CudaStreams(unittest.TestCase):
         on = model.generate(ids, attention_mask=mask, async_stopping_criteria=True, **kw)
         assert_same(self, ref, on)
 
+    @parameterized.expand([("inner_flag_off", False), ("inner_flag_on", True)])
+    def test_a_generate_inside_a_criterion_matches_stock(self, _, inner_flag):
+        """The inner call starts on the outer call's side stream: it gets its own state and another side stream."""
+        model, judge = build("llama", device="cuda"), build("gpt2", device="cuda", seed=3)
+        ids, mask = prompt(batch=2, device="cuda")
+        records, inner = [], {}  # stock knows no flag keyword: the inner call gets one only with the package
+
+        class Judge(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                verdict = judge.generate(input_ids[:, -4:], max_new_tokens=3, pad_token_id=PAD, **inner)
+                records.append(verdict)
+                return verdict[:, -1] % 5 == 0
+
+        kw = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=PAD, eos_token_id=None,
+                  stopping_criteria=StoppingCriteriaList([Judge()]), return_dict_in_generate=True,
+                  output_scores=True)
+        with stock():
+            ref = model.generate(ids, **kw)
+        ref_records, records[:] = list(records), []
+        inner["async_stopping_criteria"] = inner_flag
+        on = model.generate(ids, async_stopping_criteria=True, **kw)
+        assert_same(self, ref, on)
+        assert_same(self, ref_records, records, "inner generate() outputs")
+
     def test_criteria_run_on_a_side_stream_and_the_forward_on_the_callers(self):
         model = build("llama", device="cuda")
         ids, mask = prompt(device="cuda")
@@ -233,7 +257,7 @@ class CudaEndurance(unittest.TestCase):
         """Measured after 200 and after 1,200 calls: a leak grows with the count, steady state does not."""
         import weakref
 
-        from transformers_async_stop import stop_check
+        from transformers_async_stop import controller as stop_check
 
         model = build("llama", device="cuda")
         ids, mask = prompt(device="cuda")

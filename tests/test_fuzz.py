@@ -6,6 +6,18 @@ kind, and in one draw of five beam search (beams, `early_stopping`, `num_return_
 the RNG must be left in the same state (`torch.rand(4)` after the call), and the deferred path must have run: one
 extra forward exactly when stock stopped before the length limit, and no `StockPathWarning`.
 
+Drawn after those, with modest probabilities, the adversarial shapes of issue 10 (see test_adversarial.py):
+- `nested`: a logits processor or stopping criterion that runs an inner `generate()` (another model or the same
+  one; greedy, sampling or beam search; flag on or off) whose first token steers the outer call; every inner call
+  stock made must have returned the same under the flag (the extra step may add one call at the end);
+- `subclass`: a `MaxLengthCriteria` subclass that also stops on a token the model makes, or an `EosTokenCriteria`
+  subclass with 10+ ids whose `__call__` ignores EOS before a length (generate's own EOS is then left out);
+- `cache="tight_static"`: a user StaticCache with exactly the positions the flag-off run writes;
+- `randomness`: dropout in train mode, or a `torch.rand` noise processor, drawing from the RNG outside sampling;
+- `raise_at`: a logits processor raising at a random call; both runs must raise, and a recording streamer (when not
+  beam search) and the user cache must hold exactly what stock left in them.
+Every user cache is compared in full (`adversarial_helpers.assert_same_cache_state`).
+
 Environment:
 - `TAS_FUZZ_DRAWS`: number of draws (default 300);
 - `TAS_FUZZ_SEED`: the first draw's seed (default 0; draw i uses seed TAS_FUZZ_SEED + i);
@@ -24,8 +36,22 @@ import warnings
 
 import torch
 from parameterized import parameterized
-from transformers import DynamicCache
+from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 
+from adversarial_helpers import (
+    Boom,
+    EosOnlyAfter,
+    InnerGenerate,
+    InnerGenerateCriterion,
+    InnerGenerateProcessor,
+    MaxLengthOrToken,
+    NoiseProcessor,
+    RaiseAtCall,
+    RecordingStreamer,
+    assert_same_cache_state,
+    judge_model,
+    static_cache,
+)
 from models import PAD, PROMPT_LEN, VOCAB, CountForwards, assert_same, build, prompt, stock
 from transformers_async_stop import StockPathWarning
 
@@ -49,10 +75,21 @@ SEEDS = _seeds()
 CHUNKS = [SEEDS[i:i + CHUNK] for i in range(0, len(SEEDS), CHUNK)]
 
 
+DROPOUT = {"gpt2": dict(resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)}  # others: attention_dropout
+
+
 @functools.lru_cache(maxsize=None)
-def model_of(family):
-    """One model per family per process: generate() leaves no state on the model."""
-    return build(family, device=DEVICE)
+def model_of(family, dropout=False):
+    """One model per family per process: generate() leaves no state on the model. `dropout`: a copy with dropout
+    in its config, in train() mode (its forwards draw from the RNG)."""
+    if not dropout:
+        return build(family, device=DEVICE)
+    return build(family, device=DEVICE, **DROPOUT.get(family, dict(attention_dropout=0.2))).train()
+
+
+@functools.lru_cache(maxsize=None)
+def judge_of():
+    return judge_model().to(DEVICE)
 
 
 def draw(seed: int) -> dict:
@@ -104,6 +141,20 @@ def draw(seed: int) -> dict:
             case["num_return_sequences"] = rng.randint(1, beams)
         if rng.random() < 0.3:
             case["length_penalty"] = rng.choice((-1.0, 0.0, 2.0))
+    # issue 10's adversarial shapes, drawn after everything above (earlier draws keep their values)
+    if rng.random() < 0.05:
+        case["nested"] = dict(model=rng.choice(("judge", "same")), where=rng.choice(("processor", "criterion")),
+                              max_new_tokens=rng.randint(1, 3), beams=rng.choice((1, 1, 2)),
+                              do_sample=rng.random() < 0.3, flag=rng.random() < 0.3)
+    if rng.random() < 0.08:
+        case["subclass"] = rng.choice(("max_length_or_token", "eos_after"))
+        case["subclass_step"] = rng.randint(0, max(steps - 2, 0))
+    if family in STATIC_FAMILIES and rng.random() < 0.08:
+        case["cache"] = "tight_static"
+    if rng.random() < 0.08:
+        case["randomness"] = rng.choice(("dropout", "noise"))
+    if rng.random() < 0.06:
+        case["raise_at"] = rng.randint(0, steps)
     return case
 
 
@@ -112,12 +163,56 @@ GENERATE_KEYS = ("max_new_tokens", "max_length", "repetition_penalty", "min_new_
                  "output_hidden_states", "num_beams", "early_stopping", "num_return_sequences", "length_penalty")
 
 
-def run(case: dict, flag: bool, eos=None):
-    """(output, user cache or None, torch.rand(4) after, forward count, StockPathWarnings) of one call."""
-    model = model_of(case["family"])
+class Run:
+    """What one generate() call left: output (None if it raised `Boom`), user cache, RNG draw, forwards, ..."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def _callbacks(case: dict, model, eos, tokens):
+    """Fresh logits processors, stopping criteria, streamer and inner-call recorder for one run of `case`."""
+    processors, criteria, inner, streamer = [], [], None, None
+    if "nested" in case:
+        spec = case["nested"]
+        inner = InnerGenerate(judge_of() if spec["model"] == "judge" else model, flag=spec["flag"] or None,
+                              bias=0.5, max_new_tokens=spec["max_new_tokens"], num_beams=spec["beams"],
+                              do_sample=spec["do_sample"], eos_token_id=None)
+        if spec["where"] == "processor":
+            processors.append(InnerGenerateProcessor(inner))
+        else:
+            criteria.append(InnerGenerateCriterion(inner))
+    if case.get("randomness") == "noise":
+        processors.append(NoiseProcessor())
+    if "raise_at" in case:
+        processors.append(RaiseAtCall(case["raise_at"]))
+        if "num_beams" not in case:  # stock refuses a streamer with beam search
+            streamer = RecordingStreamer()
+    if "subclass" in case:
+        if case["subclass"] == "max_length_or_token":
+            criteria.append(MaxLengthOrToken(max_length=PROMPT_LEN + MAX_STEPS + 10, token=tokens[0]))
+        else:
+            # generate's own EOS criterion is left out (it would stop the rows first): the subclass holds the EOS
+            # ids, 10 ids that are never made (past the vocabulary) and honours them from a length on
+            criteria.append(EosOnlyAfter(list(eos or []) + list(range(VOCAB, VOCAB + 10)),
+                                         min_length=PROMPT_LEN + case["subclass_step"] + 1))
+    return processors, criteria, inner, streamer
+
+
+def run(case: dict, flag: bool, eos=None, tokens=None, cache_len=None):
+    """One call of `case`: a `Run` (output or None if `Boom` was raised, user cache, torch.rand(4) after, forward
+    count, StockPathWarnings, streamer puts, inner call records)."""
+    model = model_of(case["family"], case.get("randomness") == "dropout")
     ids, mask = prompt(batch=case["batch"], left_pad=case["left_pad"], seed=case["prompt_seed"], device=DEVICE)
     kwargs = {key: case[key] for key in GENERATE_KEYS if key in case}
-    kwargs["eos_token_id"] = eos
+    kwargs["eos_token_id"] = None if case.get("subclass") == "eos_after" else eos
+    processors, criteria, inner, streamer = _callbacks(case, model, eos, tokens)
+    if processors:
+        kwargs["logits_processor"] = LogitsProcessorList(processors)
+    if criteria:
+        kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
+    if streamer is not None:
+        kwargs["streamer"] = streamer
     cache = None
     if case["cache"] == "static":
         kwargs["cache_implementation"] = "static"
@@ -125,6 +220,10 @@ def run(case: dict, flag: bool, eos=None):
             kwargs["disable_compile"] = True
     elif case["cache"] == "user_dynamic":
         cache = kwargs["past_key_values"] = DynamicCache(config=model.config)
+    elif case["cache"] == "tight_static":
+        cache = kwargs["past_key_values"] = static_cache(model, cache_len or PROMPT_LEN + MAX_STEPS + 2,
+                                                         batch_size=case["batch"])
+        kwargs["disable_compile"] = True
     if flag:
         kwargs["async_stopping_criteria"] = True
     counter = CountForwards(model)
@@ -132,15 +231,33 @@ def run(case: dict, flag: bool, eos=None):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", StockPathWarning)
             torch.manual_seed(case["sample_seed"])
-            out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kwargs)
+            try:
+                out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kwargs)
+            except Boom:
+                out = None
             after = torch.rand(4, device=DEVICE)
     finally:
         counter.close()
     stock_path = [str(w.message) for w in caught if issubclass(w.category, StockPathWarning)]
-    return out, cache, after, counter.count, stock_path
+    return Run(out=out, cache=cache, after=after, forwards=counter.count, stock_path=stock_path,
+               puts=None if streamer is None else (streamer.puts, streamer.ends),
+               records=None if inner is None else inner.records)
 
 
-def eos_of(case: dict):
+def _probe(case: dict):
+    """The tokens each row makes in a stock run of the same call without EOS (same processors, same sampling seed,
+    same dropout; no stopping subclass, no raise, no output flags)."""
+    probe = {k: v for k, v in case.items() if k not in (
+        "min_new_tokens", "return_dict_in_generate", "output_scores", "output_logits", "output_hidden_states",
+        "subclass", "raise_at")}
+    if probe["cache"] == "tight_static":
+        probe["cache"] = "dynamic"
+    with stock():
+        out = run(probe, flag=False, eos=None).out
+    return out[:, PROMPT_LEN:].tolist()
+
+
+def eos_of(case: dict, generated=None):
     """EOS ids that stop each row about where `case["eos_steps"]` says.
 
     Like `models.eos_ids_finishing_at`, but read from a stock run of the same call without EOS (same processors,
@@ -148,11 +265,7 @@ def eos_of(case: dict):
     """
     if case["eos_steps"] == "no_eos":
         return None
-    probe = {k: v for k, v in case.items() if k not in ("min_new_tokens", "return_dict_in_generate", "output_scores",
-                                                           "output_logits", "output_hidden_states")}
-    with stock():
-        out = run(probe, flag=False, eos=None)[0]
-    generated = out[:, PROMPT_LEN:].tolist()
+    generated = _probe(case) if generated is None else generated
     chosen = []
     for tokens, step in zip(generated, case["eos_steps"]):
         if step is None:
@@ -174,20 +287,41 @@ class DifferentialFuzz(unittest.TestCase):
     def check_draw(self, seed: int) -> bool:
         """Compare one draw with stock; return whether stock stopped before the length limit."""
         case = draw(seed)
-        eos = eos_of(case)
+        generated = _probe(case) if (case["eos_steps"] != "no_eos" or "subclass" in case) else None
+        eos = eos_of(case, generated)
+        # the subclass's own stop token: what row 0 makes at the drawn step
+        tokens = [generated[0][min(case["subclass_step"], len(generated[0]) - 1)]] if "subclass" in case else None
+        cache_len = None
+        if case["cache"] == "tight_static":
+            # the positions stock writes: the prompt, then one per forward after the prefill
+            with stock():
+                roomy = run(case, flag=False, eos=eos, tokens=tokens)
+            cache_len = PROMPT_LEN + roomy.forwards - 1
         with stock():
-            ref, ref_cache, ref_after, ref_forwards, _ = run(case, flag=False, eos=eos)
-        on, on_cache, on_after, on_forwards, stock_path = run(case, flag=True, eos=eos)
-        assert_same(self, ref, on, "output")
-        if ref_cache is not None:
-            assert_same(self, ref_cache, on_cache, "user cache")
-        self.assertTrue(torch.equal(ref_after, on_after), "RNG state after generate() differs")
-        self.assertEqual(stock_path, [], "the flag-on call ran the stock path")
+            ref = run(case, flag=False, eos=eos, tokens=tokens, cache_len=cache_len)
+        on = run(case, flag=True, eos=eos, tokens=tokens, cache_len=cache_len)
+        self.assertEqual(ref.out is None, on.out is None,
+                         f"raised Boom: stock {ref.out is None}, flag on {on.out is None}")
+        if ref.out is not None:
+            assert_same(self, ref.out, on.out, "output")
+        if ref.cache is not None:
+            assert_same_cache_state(self, ref.cache, on.cache, "user cache")
+        self.assertEqual(ref.puts, on.puts, "streamer puts")
+        if ref.records is not None:
+            # no processor or criterion runs in the extra step: the inner calls are exactly stock's
+            assert_same(self, ref.records, on.records, "inner generate() calls")
+        self.assertTrue(torch.equal(ref.after, on.after), "RNG state after generate() differs")
+        self.assertEqual(on.stock_path, [], "the flag-on call ran the stock path")
+        if ref.out is None or case.get("nested", {}).get("model") == "same":
+            return False  # forwards: an exception ends both runs wherever it is raised; inner calls are counted too
         # one forward per step: stock stopped early when it made fewer steps than the limit allows (beam search
         # may return shorter sequences than the steps it made: its best beams can have finished earlier)
-        stopped_early = ref_forwards < limit_of(case) - PROMPT_LEN
-        self.assertEqual(on_forwards - ref_forwards, 1 if stopped_early else 0,
-                         f"forwards: stock {ref_forwards}, flag on {on_forwards}, stopped early: {stopped_early}")
+        stopped_early = ref.forwards < limit_of(case) - PROMPT_LEN
+        # a cache with room for exactly stock's positions has none for an extra step: its last verdict is read at
+        # once instead
+        extra = 1 if stopped_early and case["cache"] != "tight_static" else 0
+        self.assertEqual(on.forwards - ref.forwards, extra,
+                         f"forwards: stock {ref.forwards}, flag on {on.forwards}, stopped early: {stopped_early}")
         return stopped_early
 
     @parameterized.expand([(f"seeds_{c[0]}_to_{c[-1]}", c) for c in CHUNKS])
@@ -212,8 +346,8 @@ class DrawsCoverTheSpace(unittest.TestCase):
         cases = [draw(seed) for seed in range(300)]
         self.assertEqual({c["family"] for c in cases}, set(FAMILIES))
         self.assertEqual({c["batch"] for c in cases}, {1, 2, 3, 4})
-        self.assertEqual({c["cache"] for c in cases}, {"dynamic", "user_dynamic", "static"})
-        self.assertNotIn("static", {c["cache"] for c in cases if c["family"] == "gpt2"})
+        self.assertEqual({c["cache"] for c in cases}, {"dynamic", "user_dynamic", "static", "tight_static"})
+        self.assertFalse({"static", "tight_static"} & {c["cache"] for c in cases if c["family"] == "gpt2"})
         for key in ("max_length", "max_new_tokens", "repetition_penalty", "min_new_tokens", "top_k", "top_p",
                     "temperature", "output_scores", "output_logits", "output_hidden_states", "num_beams",
                     "num_return_sequences", "length_penalty"):
@@ -221,6 +355,17 @@ class DrawsCoverTheSpace(unittest.TestCase):
         self.assertTrue(any(c["do_sample"] for c in cases) and not all(c["do_sample"] for c in cases))
         self.assertTrue(any(c["left_pad"] for c in cases) and not all(c["left_pad"] for c in cases))
         self.assertTrue(any(c["eos_steps"] == "no_eos" for c in cases))
+        # issue 10's shapes, each in a few draws (not so many that the default 300 draws get slow)
+        self.assertEqual({c["subclass"] for c in cases if "subclass" in c}, {"max_length_or_token", "eos_after"})
+        self.assertEqual({c["randomness"] for c in cases if "randomness" in c}, {"dropout", "noise"})
+        nested = [c["nested"] for c in cases if "nested" in c]
+        self.assertEqual({n["model"] for n in nested}, {"judge", "same"})
+        self.assertEqual({n["where"] for n in nested}, {"processor", "criterion"})
+        self.assertTrue(any(n["beams"] == 2 for n in nested) and any(n["flag"] for n in nested))
+        for key in ("nested", "subclass", "randomness", "raise_at"):
+            self.assertTrue(3 <= sum(key in c for c in cases) <= 40, key)
+        self.assertTrue(3 <= sum(c["cache"] == "tight_static" for c in cases) <= 40)
+        self.assertTrue(any("raise_at" in c and "num_beams" not in c for c in cases))
 
     def test_draws_are_reproducible(self):
         self.assertEqual(draw(12345), draw(12345))

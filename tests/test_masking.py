@@ -108,15 +108,19 @@ class MovedCopiesKeepTheSummary(unittest.TestCase):
         self.masking = masking
         self.fed_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
         masking._tag(self.fed_mask, masking.MaskSummary(self.fed_mask), 3)
-        self.holder = masking.FedMask()
-        self.holder.latest = weakref.ref(self.fed_mask)
 
     def tag_of(self, tensor, inside_generate=True):
-        token = self.masking.FED.set(self.holder if inside_generate else None)
+        from transformers_async_stop.call_state import CALL, CallState
+
+        state = None
+        if inside_generate:
+            state = CallState(None, user_cache=False, slice_inputs=True)
+            state.fed_mask = weakref.ref(self.fed_mask)
+        token = CALL.set(state)
         try:
             return self.masking._tag_of(tensor)
         finally:
-            self.masking.FED.reset(token)
+            CALL.reset(token)
 
     def test_copy_on_another_device_shares_the_tag(self):
         moved = self.fed_mask.to("meta")  # stands in for cuda:0 <- cuda:1; never read

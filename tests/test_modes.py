@@ -82,9 +82,9 @@ class Failures(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "boom"):
             model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD,
                            stopping_criteria=StoppingCriteriaList([Boom()]), async_stopping_criteria=True)
-        from transformers_async_stop.stop_check import ACTIVE
+        from transformers_async_stop.call_state import CALL
 
-        self.assertIsNone(ACTIVE.get())
+        self.assertIsNone(CALL.get())  # the call's state went with it
         with stock():
             ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD,

@@ -73,6 +73,24 @@ def rollback_one_step(cache, kept_length: int) -> None:
             layer.cumulative_length = counter - 1
 
 
+def capacity(cache) -> int | None:
+    """Positions every full-attention layer of `cache` can hold, if it has a fixed size (None: it grows)."""
+    layers, _ = _layers(cache)
+    sizes = [layer.max_cache_len for layer in layers or () if _is_static_full(layer)]
+    return min(sizes) if sizes else None
+
+
+def loop_cache(model_kwargs):
+    """The decoding loop's cache, under whichever name the model keeps it (`past_key_values`, `cache_params`...)."""
+    from transformers.generation.utils import ALL_CACHE_NAMES
+
+    for name in ALL_CACHE_NAMES:
+        cache = model_kwargs.get(name)
+        if cache is not None:
+            return cache
+    return None
+
+
 def cache_blocks_deferral(cache, route_a: bool) -> str | None:
     """Why a cache the caller will see cannot take the deferred path (None: it can)."""
     reason = why_not_rollbackable(cache)

@@ -1,41 +1,26 @@
-"""Replacements for `GenerationMixin.generate`, `_sample`, `_has_unfinished_sequences` and the modes we leave stock.
+"""Replacements for `GenerationMixin.generate`, `_sample`, `_has_unfinished_sequences` and the modes left stock.
 
-Two loop shapes exist across 5.x, and the deferred path fits both without copying the loop:
+Two loop shapes exist across 4.57-5.23, and the deferred path fits both without copying the loop:
 - 5.17+: `_sample` builds its stop check from the module global `DeferredStopCheck` and already undoes the steps
   `finish()` reports (`_undo_generation_steps`). Our subclass (stop_check.py) is that stop check.
-- 5.0-5.16: `_sample` passes the device tensor `unfinished_sequences.max() == 0` to `_has_unfinished_sequences`,
-  which reads it. Ours records it and answers from the previous step's verdict; after the loop this wrapper undoes
+- 4.57-5.16: `_sample` passes the device tensor `unfinished_sequences.max() == 0` to `_has_unfinished_sequences`,
+  which reads it. Ours records it and answers from what the host already knows; after the loop this wrapper undoes
   the extra step in what `_sample` returns.
-In both, the stopping criteria run on a side CUDA stream (`SideStreamCriteria`) and the main stream waits for them
-only when the next step's logits processors run (`JoiningLogitsProcessors`), after the next forward is queued.
+In both, the stopping criteria run on a side CUDA stream (`SideStreamCriteria`), and the host reads a step's
+verdict at the next step's logits processors (`JoiningLogitsProcessors`), after the next forward has been queued.
 """
 
 from __future__ import annotations
 
-import contextvars
-from dataclasses import dataclass
-
 import torch
-from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import (
-    EosTokenCriteria,
-    MaxLengthCriteria,
-    StoppingCriteriaList,
-)
 
-from .cache_rollback import cache_blocks_deferral, rollback_one_step, why_not_rollbackable
+from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
+from .call_state import CALL, CallState, active_controller, compiling
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
-from .inputs import IN_GENERATE
-from .masking import FED, FedMask
+from .controller import AsyncStop
 from .patching import MARKER
-from .stop_check import ACTIVE, AsyncStop
-
-@dataclass
-class _Scope:
-    user_cache: bool = False
-
-
-SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("transformers_async_stop_scope", default=None)
+from .peers import PeerVerdict
+from .step_lists import ExtraStepStreamer, JoiningLogitsProcessors, SideStreamCriteria
 
 
 # --- generate() ------------------------------------------------------------------------------------------------
@@ -47,16 +32,13 @@ def patched_generate(original, target):
                 warn_stock("a `custom_generate` decoding loop is not ours to defer")
         if FIELD in kwargs:
             check_flag(kwargs[FIELD])
-        scope = _Scope(user_cache=kwargs.get("past_key_values") is not None)
-        in_generate = IN_GENERATE.set("cache_position" not in kwargs)
-        scope_token = SCOPE.set(scope)
-        fed_token = FED.set(FedMask())
+        # a fresh state for this call, also when it runs inside another generate()'s processor or criterion
+        token = CALL.set(CallState(self, user_cache=kwargs.get("past_key_values") is not None,
+                                   slice_inputs="cache_position" not in kwargs))
         try:
             return original(self, *args, **kwargs)
         finally:
-            FED.reset(fed_token)
-            SCOPE.reset(scope_token)
-            IN_GENERATE.reset(in_generate)
+            CALL.reset(token)
 
     return _mark(generate, original)
 
@@ -75,111 +57,15 @@ def stock_with_warning(original, target):
 
 def patched_padding_warning(original, target):
     def warn_if_padding_and_no_attention_mask(self, input_ids, attention_mask, *args, **kwargs):
-        ctl = ACTIVE.get()
-        if ctl is not None and ctl.steps > 0:
-            # a decode step feeds tokens `generate()` made itself, after it dropped an all-ones mask: the prompt
-            # was checked at prefill, and this check would cost a blocking read per step
-            return None
+        if not compiling():
+            ctl = active_controller()
+            if ctl is not None and ctl.steps > 0:
+                # a decode step feeds tokens `generate()` made itself, after it dropped an all-ones mask: the prompt
+                # was checked at prefill, and this check would cost a blocking read per step
+                return None
         return original(self, input_ids, attention_mask, *args, **kwargs)
 
     return _mark(warn_if_padding_and_no_attention_mask, original)
-
-
-# --- the side stream -------------------------------------------------------------------------------------------
-# torch.isin switches to a sort-based algorithm (whose `unique` reads a device count: a blocking sync) once the
-# test set has about 10 * numel**0.145 elements; at B <= 1 that is 10 EOS ids.
-_ISIN_SORTS_FROM = 10
-
-
-def _last_token_is_eos(criteria, input_ids):
-    """`EosTokenCriteria.__call__` (v5.0-v5.23) without `torch.isin`: a broadcast compare, same booleans."""
-    eos = criteria.eos_token_id.to(input_ids.device)
-    return (input_ids[:, -1, None] == eos.reshape(1, -1)).any(-1)
-
-
-class SideStreamCriteria(StoppingCriteriaList):
-    """The call's stopping criteria, run on the controller's side stream.
-
-    Differences from `StoppingCriteriaList.__call__` (v5.0-v5.23, identical there): `MaxLengthCriteria` is skipped
-    while it can only say "not yet" or fire its `max_position_embeddings` warning is impossible, because the
-    deferred loop decides `max_length` on the host, exactly, at the same step; the first result seeds the
-    reduction instead of a `torch.full` of False (both save kernel launches and host time every step); and an
-    `EosTokenCriteria` with 10 or more ids is answered by a broadcast compare instead of `torch.isin`, whose
-    sorting algorithm reads a device count on the host every step.
-    """
-
-    def __init__(self, criteria: StoppingCriteriaList, ctl: AsyncStop):
-        super().__init__(criteria)
-        self._ctl = ctl
-        self._max_length = criteria.max_length
-
-    @property
-    def max_length(self):
-        return self._max_length
-
-    def __call__(self, input_ids, scores, **kwargs):
-        last_scores = scores[-1] if isinstance(scores, tuple) and scores else scores
-        read = [t for t in (input_ids, last_scores) if isinstance(t, torch.Tensor)]
-        self._ctl.to_side(*read)
-        length = input_ids.shape[-1]
-        is_done = None
-        for criteria in self:
-            if isinstance(criteria, MaxLengthCriteria) and length < criteria.max_length and (
-                getattr(criteria, "max_position_embeddings", None) is None
-                or length < criteria.max_position_embeddings
-            ):
-                continue
-            if isinstance(criteria, EosTokenCriteria) and criteria.eos_token_id.numel() >= _ISIN_SORTS_FROM:
-                done = _last_token_is_eos(criteria, input_ids)
-            else:
-                done = criteria(input_ids, scores, **kwargs)
-            if not isinstance(done, torch.Tensor):
-                self._ctl.warn_host_verdict(criteria)
-            if is_done is None and not (isinstance(done, torch.Tensor) and done.dtype == torch.bool
-                                        and done.shape == (input_ids.shape[0],)):
-                # anything but a per-row bool tensor combines with stock's all-False seed (bools, other dtypes)
-                is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-            is_done = done if is_done is None else is_done | done
-        if is_done is None:
-            is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        return is_done
-
-
-class JoiningLogitsProcessors(LogitsProcessorList):
-    """The call's logits processors; first, the main stream waits for the previous step's criteria."""
-
-    def __init__(self, processors: LogitsProcessorList, ctl: AsyncStop):
-        super().__init__(processors)
-        self._ctl = ctl
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self._ctl.join()
-        return super().__call__(input_ids, scores, **kwargs)
-
-
-class LaggedStreamer:
-    """5.0-5.16 only: stock code hands each token to the streamer as it is made; hold it back one step so that the
-    undone extra token is never delivered."""
-
-    def __init__(self, streamer, ctl: AsyncStop):
-        self._streamer = streamer
-        self._ctl = ctl
-        self._held = None
-
-    def put(self, value):
-        if self._held is not None:
-            self._streamer.put(self._held)
-        self._held = value
-
-    def end(self):
-        # stock calls end() inside `_sample`, before our `finish()`: the verdict that ended the loop decides
-        if self._held is not None and not self._ctl.stop_reported:
-            self._streamer.put(self._held)
-        self._held = None
-        self._streamer.end()
-
-    def __getattr__(self, name):
-        return getattr(self._streamer, name)
 
 
 # --- _sample ---------------------------------------------------------------------------------------------------
@@ -190,25 +76,44 @@ def _route_a() -> bool:
     return getattr(getattr(gen_utils, "DeferredStopCheck", None), MARKER, False) is True
 
 
-def _cache_is_returned(generation_config, model_kwargs) -> bool:
+def cache_is_returned(generation_config, model_kwargs) -> bool:
     """The cache outlives `generate()`: returned in the output, or an object the caller passed in."""
-    cache = model_kwargs.get("past_key_values")
-    scope = SCOPE.get()
-    return bool(generation_config.return_dict_in_generate or getattr(cache, "_is_user_defined", False)
-                or (scope is not None and scope.user_cache))
+    if generation_config.return_dict_in_generate:
+        return True
+    cache = loop_cache(model_kwargs)
+    state = CALL.get()
+    return bool(getattr(cache, "_is_user_defined", False) or (state is not None and state.user_cache))
+
+
+def cache_out_of_sight(model, generation_config, model_kwargs) -> str | None:
+    """A returned cache the loop creates in the model's own `_update_model_kwargs_for_generation` (Mamba's
+    `cache_params` on 4.57-5.16): the deferred loop never sees it, so it cannot check that a step can be undone."""
+    from transformers.generation.utils import GenerationMixin
+
+    own = type(model)._update_model_kwargs_for_generation
+    if own is GenerationMixin._update_model_kwargs_for_generation or loop_cache(model_kwargs) is not None:
+        return None
+    if not cache_is_returned(generation_config, model_kwargs):
+        return None
+    return (f"{type(model).__name__} keeps its cache through its own `_update_model_kwargs_for_generation`, where "
+            "the deferred loop cannot check that a returned cache can give a step back")
 
 
 def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | None:
+    if not _route_a():
+        reason = cache_out_of_sight(model, generation_config, model_kwargs)
+        if reason is not None:
+            return reason
     if synced_gpus:
         if not _route_a():
-            # 5.0-5.16 test the loop's device-tensor verdict on the host for `continue`: a sync we cannot remove
+            # 4.57-5.16 test the loop's device-tensor verdict on the host for `continue`: a sync we cannot remove
             return "`synced_gpus=True` is made async on transformers 5.17+ only"
-        if _cache_is_returned(generation_config, model_kwargs):
+        if cache_is_returned(generation_config, model_kwargs):
             # peers that finish early keep stepping on a token the extra step appended: their padding positions
             # in the cache would differ from stock's
             return "`synced_gpus=True` with a returned cache is not made async"
-    cache = model_kwargs.get("past_key_values")
-    if cache is not None and _cache_is_returned(generation_config, model_kwargs):
+    cache = loop_cache(model_kwargs)
+    if cache is not None and cache_is_returned(generation_config, model_kwargs):
         return cache_blocks_deferral(cache, _route_a())
     return None
 
@@ -216,40 +121,34 @@ def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | Non
 def patched_sample(original, target):
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
-        def stock():
+        state = CALL.get()
+        if state is None or state.ctl is not None or runs_stock(
+                generation_config, input_ids.device,
+                lambda: _why_stock(self, generation_config, synced_gpus, model_kwargs)):
+            # no generate() of ours around this call (a direct `_sample` call), or one loop already runs in it
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
-        if runs_stock(generation_config, input_ids.device,
-                      lambda: _why_stock(self, generation_config, synced_gpus, model_kwargs)):
-            return stock()
-
         route_a = _route_a()
-        ctl = AsyncStop(
-            input_ids,
-            stopping_criteria.max_length,
-            do_sample=bool(generation_config.do_sample),
+        ctl = state.ctl = AsyncStop(
+            input_ids, stopping_criteria.max_length, done_when="unfinished" if route_a else "finished",
             streamer=streamer if route_a else None,
+            cache_returned=cache_is_returned(generation_config, model_kwargs), route_a=route_a,
         )
-        ctl.route_a = route_a
-        ctl.cache_returned = _cache_is_returned(generation_config, model_kwargs)
         if synced_gpus:
-            ctl.enable_peer_reduction()
-        loop_streamer = streamer if (route_a or streamer is None) else LaggedStreamer(streamer, ctl)
-        token = ACTIVE.set(ctl)
+            ctl.peers = PeerVerdict(input_ids.device)
+        loop_streamer = streamer if (route_a or streamer is None) else ExtraStepStreamer(streamer, ctl)
         try:
-            outputs = original(
-                self,
-                input_ids,
-                JoiningLogitsProcessors(logits_processor, ctl),
-                SideStreamCriteria(stopping_criteria, ctl),
-                generation_config,
-                synced_gpus=synced_gpus,
-                streamer=loop_streamer,
-                **model_kwargs,
-            )
+            outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
+                               SideStreamCriteria(stopping_criteria, ctl), generation_config,
+                               synced_gpus=synced_gpus, streamer=loop_streamer, **model_kwargs)
+        except BaseException:
+            if ctl.deferred_check is not None:
+                ctl.deferred_check.abort()
+            ctl.abort()
+            raise
         finally:
-            ACTIVE.reset(token)
+            state.ctl = None
             ctl.close()
         if not route_a:
             outputs = _undo_route_b(ctl, outputs, model_kwargs)
@@ -260,32 +159,31 @@ def patched_sample(original, target):
 
 def patched_has_unfinished_sequences(original, target):
     def _has_unfinished_sequences(self, this_peer_finished, synced_gpus, device=None, *args, **kwargs):
-        ctl = ACTIVE.get()
-        if ctl is not None and synced_gpus and ctl.peers is not None:
+        ctl = active_controller()
+        if ctl is None or ctl.route_a and not synced_gpus:
+            return original(self, this_peer_finished, synced_gpus, device, *args, **kwargs)
+        if synced_gpus:
+            if ctl.peers is None:
+                return original(self, this_peer_finished, synced_gpus, device, *args, **kwargs)
             # 5.17+: every peer reduces its device verdict and reads the previous step's sum, so all peers stop
             # at the same call, one step late (undone like any lagged stop)
-            return not ctl.peers_done(this_peer_finished)
-        if ctl is None or synced_gpus or ctl.route_a:
-            return original(self, this_peer_finished, synced_gpus, device, *args, **kwargs)
+            return not ctl.peers.done(ctl, this_peer_finished)
         if isinstance(this_peer_finished, torch.Tensor):
-            # 5.0-5.16 call this once per step with the step's verdict as a device tensor
+            # 4.57-5.16 call this once per step with the step's verdict as a device tensor
             ctl.adopt(this_peer_finished)
-            return not ctl.step(this_peer_finished, None, ctl.last_length + 1)
-        if this_peer_finished:
-            return False
-        return True  # the call before the first step
+            return not ctl.record(this_peer_finished, None, ctl.last_length + 1)
+        return not this_peer_finished  # the call before the first step
 
     return _mark(_has_unfinished_sequences, original)
 
 
 def _undo_route_b(ctl: AsyncStop, outputs, model_kwargs):
-    """Undo the extra step in what a 5.0-5.16 `_sample` returned (5.17+ does this itself)."""
+    """Undo the extra step in what a 4.57-5.16 `_sample` returned (5.17+ does this itself)."""
     steps = ctl.finish()
     if not steps:
         return outputs
-    cache = getattr(outputs, "past_key_values", None)
-    if cache is None:
-        cache = model_kwargs.get("past_key_values")
+    cache = None if isinstance(outputs, torch.Tensor) else getattr(outputs, "past_key_values", None)
+    cache = loop_cache(model_kwargs) if cache is None else cache
     if cache is not None and why_not_rollbackable(cache) is None:
         rollback_one_step(cache, ctl.kept_cache_length)
     if isinstance(outputs, torch.Tensor):

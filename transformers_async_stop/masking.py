@@ -17,33 +17,25 @@ untouched, so outside `generate()` behaviour is exactly stock. One kind of copy 
 accelerate moves its inputs to its main device at every forward (`AlignDevicesHook`), which makes a new, untagged
 tensor. During `generate()`, a mask with the same shape and dtype as the one `generate()` is feeding, on another
 device, is that copy and shares its tag.
+
+Under torch.compile or export every wrapper here returns the original's answer before it looks at a tensor
+attribute or the call state (`call_state.compiling`), so importing the package changes no traced graph. Nothing
+here allocates per step: the stand-in is one CPU buffer per call, updated in place.
 """
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 import weakref
 
 import torch
 
+from . import static_mask
+from .cache_rollback import loop_cache
+from .call_state import CALL, compiling
 from .config import _mark, force_deferred
-from .stop_check import ACTIVE
 
 _TAG = "_transformers_async_stop_mask"
-
-
-class FedMask:
-    """Per `generate()` call: the tagged mask it feeds the model now, to recognise copies moved to another device."""
-
-    __slots__ = ("latest",)
-
-    def __init__(self):
-        self.latest = None  # weakref to the tensor, so the holder never keeps a mask alive
-
-
-FED: contextvars.ContextVar[FedMask | None] = contextvars.ContextVar("transformers_async_stop_fed_mask",
-                                                                    default=None)
 
 
 class MaskSummary:
@@ -52,7 +44,7 @@ class MaskSummary:
     `columns` is a (2, prompt_length) CPU bool tensor: row 0 = column is all True, row 1 = column has a True.
     """
 
-    __slots__ = ("columns", "prompt_length", "batch_size")
+    __slots__ = ("columns", "prompt_length", "batch_size", "_buffer", "_valid", "_views")
 
     def __init__(self, mask: torch.Tensor):
         as_bool = mask.to(torch.bool)
@@ -60,17 +52,30 @@ class MaskSummary:
         self.columns = torch.stack((as_bool.all(0), as_bool.any(0))).cpu()
         self.prompt_length = mask.shape[-1]
         self.batch_size = mask.shape[0]
+        self._buffer = None  # the stand-in's storage, (2, capacity), grown rarely
+        self._valid = 0  # columns of `_buffer` that hold the prompt or ones; zeros after
+        self._views = {}  # total_length -> a view of `_buffer`
 
-    def stand_in(self, valid_length: int, total_length: int) -> torch.Tensor:
+    def stand_in(self, valid_length: int, total_length: int) -> torch.Tensor | None:
         """(2, total_length) CPU stand-in: prompt columns, ones up to valid_length, zero padding after."""
-        grown = valid_length - self.prompt_length
-        padded = total_length - valid_length
-        parts = [self.columns]
-        if grown > 0:
-            parts.append(torch.ones((2, grown), dtype=torch.bool))
-        if padded > 0:
-            parts.append(torch.zeros((2, padded), dtype=torch.bool))
-        return torch.cat(parts, dim=1) if len(parts) > 1 else self.columns
+        if valid_length < self.prompt_length:
+            return None
+        buffer = self._buffer
+        width = max(valid_length, total_length)
+        if buffer is None or buffer.shape[1] < width:
+            # a call grows the mask by one column per step: allocate with room for many steps at once
+            capacity = max(width, 2 * (0 if buffer is None else buffer.shape[1]), self.prompt_length + 128)
+            buffer = self._buffer = torch.zeros((2, capacity), dtype=torch.bool)
+            buffer[:, : self.prompt_length] = self.columns
+            self._valid, self._views = self.prompt_length, {}
+        if valid_length != self._valid:
+            low, high = sorted((self._valid, valid_length))
+            buffer[:, low:high] = valid_length > self._valid
+            self._valid = valid_length
+        view = self._views.get(total_length)
+        if view is None:
+            view = self._views[total_length] = buffer[:, :total_length]
+        return view
 
 
 def _tag(tensor, summary: MaskSummary, valid_length: int) -> None:
@@ -84,21 +89,20 @@ def _tag_of(tensor):
     if not isinstance(tensor, torch.Tensor):
         return None
     tag = getattr(tensor, _TAG, None)
+    if tag is not None:
+        return tag
     base = tensor._base
-    if tag is None and base is not None and base.shape == tensor.shape:
+    if base is not None and base.shape == tensor.shape:
         # a same-shape view (GPT-2 does `attention_mask.view(batch_size, -1)`) has the same content
         tag = getattr(base, _TAG, None)
-    if tag is None:
-        fed = FED.get()
-        source = fed.latest() if fed is not None and fed.latest is not None else None
-        if (source is not None and source.device != tensor.device and source.shape == tensor.shape
-                and source.dtype == tensor.dtype):
-            tag = getattr(source, _TAG, None)  # the fed mask, moved by accelerate to its main device
-    return tag
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
+        if tag is not None:
+            return tag
+    state = CALL.get()
+    fed = state.fed_mask() if state is not None and state.fed_mask is not None else None
+    if (fed is not None and fed.device != tensor.device and fed.shape == tensor.shape
+            and fed.dtype == tensor.dtype):
+        return getattr(fed, _TAG, None)  # the fed mask, moved by accelerate to its main device
+    return None
 
 
 def _worth_it(tensor: torch.Tensor) -> bool:
@@ -110,10 +114,17 @@ def patched_update_model_kwargs(original, target):
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         before = model_kwargs.get("attention_mask")
         updated = original(self, outputs, model_kwargs, *args, **kwargs)
-        ctl = ACTIVE.get()
-        if ctl is not None and isinstance(updated, dict):
-            ctl.see_cache(updated.get("past_key_values"))
-        after = updated.get("attention_mask") if isinstance(updated, dict) else None
+        state = CALL.get()
+        if state is None or not isinstance(updated, dict):
+            return updated
+        ctl = state.ctl
+        if ctl is not None and not ctl.planned:
+            ctl.planned = True  # after the first forward: the loop's cache exists now
+            cache = loop_cache(updated)
+            ctl.see_cache(cache, ctl.route_a)
+            if cache is not None and static_mask.register(self, cache, ctl.device):
+                ctl.cleanups.append(lambda: static_mask.release(cache))
+        after = updated.get("attention_mask")
         if (
             isinstance(before, torch.Tensor)
             and isinstance(after, torch.Tensor)
@@ -123,16 +134,13 @@ def patched_update_model_kwargs(original, target):
             and after.shape[0] == before.shape[0]
             and after.shape[-1] > before.shape[-1]
             and not self.config.is_encoder_decoder
-            and not _compiling()
             and _worth_it(after)
         ):
             tag = _tag_of(before)
             summary = tag[0] if tag is not None else MaskSummary(before)
             # stock appends `new_ones` columns: the grown mask is the old one followed by ones
             _tag(after, summary, after.shape[-1])
-            fed = FED.get()
-            if fed is not None:
-                fed.latest = weakref.ref(after)
+            state.fed_mask = weakref.ref(after)
         return updated
 
     return _mark(_update_model_kwargs_for_generation, original)
@@ -148,6 +156,8 @@ def patched_preprocess_mask_arguments(original, target):
 
     def _preprocess_mask_arguments(*args, **kwargs):
         result = original(*args, **kwargs)
+        if compiling():
+            return result
         mask = kwargs.get("attention_mask", args[index] if index is not None and len(args) > index else None)
         tag = _tag_of(mask)
         if tag is not None and isinstance(result, tuple) and len(result) > 1:
@@ -163,6 +173,8 @@ def patched_preprocess_mask_arguments(original, target):
 def patched_prepare_padding_mask(original, target):
     def prepare_padding_mask(attention_mask, kv_length, kv_offset, *args, **kwargs):
         result = original(attention_mask, kv_length, kv_offset, *args, **kwargs)
+        if compiling():
+            return result
         tag = _tag_of(attention_mask)
         if tag is not None and isinstance(result, torch.Tensor) and result is not attention_mask:
             summary, valid_length = tag
@@ -178,15 +190,18 @@ def patched_ignore_mask(original, target):
     """Shared by `_ignore_causal_mask_sdpa` and `_ignore_bidirectional_mask_sdpa`: same first argument."""
 
     def _ignore_mask_sdpa(padding_mask, *args, **kwargs):
+        if compiling():
+            return original(padding_mask, *args, **kwargs)
         tag = _tag_of(padding_mask)
-        if tag is not None and not _compiling():
+        if tag is not None:
             summary, valid_length = tag
             if padding_mask.dim() == 2 and padding_mask.shape[0] == summary.batch_size:
                 stand_in = summary.stand_in(valid_length, padding_mask.shape[-1])
-                try:
-                    return original(stand_in, *args, **kwargs)
-                except RuntimeError:  # e.g. a device tensor offset that cannot index a CPU stand-in: stock path
-                    pass
+                if stand_in is not None:
+                    try:
+                        return original(stand_in, *args, **kwargs)
+                    except RuntimeError:  # e.g. a device tensor offset that cannot index a CPU stand-in: stock
+                        pass
         return original(padding_mask, *args, **kwargs)
 
     return _mark(_ignore_mask_sdpa, original)

@@ -127,6 +127,13 @@ TARGETS: tuple[Target, ...] = (
         "beam:patched_reorder_cache", params=("beam_idx",),
         why="`if self.get_seq_length() > 0` reads a static layer's device counter once per layer per beam step",
     ),
+    Target(
+        "generation.utils.create_masks_for_generate", _GEN, None, "create_masks_for_generate",
+        "static_mask:patched_create_masks_for_generate", present="4.57+", required=False,
+        params=("config", "attention_mask", "past_key_values"),
+        why="with a static cache, ~20 kernels and a long Python chain build the same decode-step mask every step; "
+            "with the flag (5.17+) a per-call plan builds it in two (`SHORTCUTS`: 'static decode mask')",
+    ),
     # --- the SDPA mask-skip check ----------------------------------------------------------------------------
     Target(
         "masking_utils._preprocess_mask_arguments", _MASK, None, "_preprocess_mask_arguments",
@@ -162,3 +169,99 @@ def present_in(target: Target, version: tuple[int, int]) -> bool | None:
         return version >= lo_v
     hi_v = tuple(int(x) for x in hi.split("."))
     return lo_v <= version <= hi_v
+
+
+# --- shortcuts: stock computations the deferred loop makes itself, with less host work ------------------------------
+@dataclass(frozen=True)
+class Shortcut:
+    """A piece of stock code that a flag-on call computes itself, once per call where stock does it every step.
+
+    It is taken only where every upstream source it replicates has one of the digests below (`verified.py`); the
+    digests map to the releases they were read in. Elsewhere the stock code runs.
+    """
+
+    name: str
+    sources: tuple[str, ...]  # "module:Qual.name" of each upstream object whose behaviour it reproduces
+    digests: dict  # source -> {digest: releases}
+    used_by: str
+    why: str
+
+
+_LP = "transformers.generation.logits_process"
+_SC = "transformers.generation.stopping_criteria"
+_CU = "transformers.cache_utils"
+
+SHORTCUTS: tuple[Shortcut, ...] = (
+    Shortcut(
+        "LogitsProcessorList.__call__", (f"{_LP}:LogitsProcessorList.__call__",),
+        {f"{_LP}:LogitsProcessorList.__call__": {"9377c455a80f": "4.57.6-5.22.2", "9bc8e809ae87": "5.23.0"}},
+        "step_lists.JoiningLogitsProcessors",
+        why="`inspect.signature` of every processor, every step: read once per call",
+    ),
+    Shortcut(
+        "MinLengthLogitsProcessor.__call__", (f"{_LP}:MinLengthLogitsProcessor.__call__",),
+        {f"{_LP}:MinLengthLogitsProcessor.__call__": {
+            "d8029a61eea0": "4.57.6-5.0.0", "f539cd849301": "5.1.0-5.22.2", "8bc3322c0a8c": "5.23.0"}},
+        "step_lists._EosMask",
+        why="`isin(arange(vocab), eos)` rebuilt every step: made once per call",
+    ),
+    Shortcut(
+        "MinNewTokensLengthLogitsProcessor.__call__", (f"{_LP}:MinNewTokensLengthLogitsProcessor.__call__",),
+        {f"{_LP}:MinNewTokensLengthLogitsProcessor.__call__": {
+            "636e3e5e1ab9": "4.57.6-5.0.0", "15ac7ac2ec8c": "5.1.0-5.22.2", "c58757f0afa5": "5.23.0"}},
+        "step_lists._EosMask",
+        why="`isin(arange(vocab), eos)` rebuilt every step: made once per call",
+    ),
+    Shortcut(
+        "StoppingCriteriaList.__call__", (f"{_SC}:StoppingCriteriaList.__call__",),
+        {f"{_SC}:StoppingCriteriaList.__call__": {
+            "5dbfae3bb6bb": "4.57.6-5.15.1", "04d256aa2c92": "5.16.1-5.22.2", "871bf47c8f66": "5.23.0"}},
+        "step_lists.SideStreamCriteria",
+        why="a `torch.full` seed and an `|` per criterion, every step: the first bool result seeds the reduction",
+    ),
+    Shortcut(
+        "MaxLengthCriteria.__call__", (f"{_SC}:MaxLengthCriteria.__call__",),
+        {f"{_SC}:MaxLengthCriteria.__call__": {
+            "ff081c1ab0de": "4.57.6-5.15.1", "79e95a46228e": "5.16.1-5.22.2", "2e4da3c25d0b": "5.23.0"}},
+        "step_lists.SideStreamCriteria",
+        why="a `torch.full` of a host-known answer every step: skipped while it can only say 'not yet'",
+    ),
+    Shortcut(
+        "EosTokenCriteria.__call__", (f"{_SC}:EosTokenCriteria.__call__",),
+        {f"{_SC}:EosTokenCriteria.__call__": {
+            "80ff2d727a29": "4.57.6-5.0.0", "0b9091e41241": "5.1.0-5.10.4", "b829c47f0672": "5.11.0-5.15.1",
+            "5d2aad95ed11": "5.16.1-5.22.2", "63d0b210fbfb": "5.23.0"}},
+        "step_lists._last_tokens_are_eos",
+        why="with 10 or more ids `torch.isin` sorts, and its `unique` reads a device count: a sync every step",
+    ),
+    Shortcut(
+        "static decode mask",
+        tuple(f"{_MASK}:{name}" for name in (
+            "create_masks_for_generate", "create_causal_mask", "_preprocess_mask_arguments", "sdpa_mask",
+            "prepare_padding_mask", "padding_mask_function", "causal_mask_function", "and_masks",
+            "_non_vmap_expansion_sdpa")) + tuple(f"{_CU}:{name}" for name in (
+            "Cache.get_mask_sizes", "Cache.get_query_offset", "Cache.get_seq_length", "StaticLayer.get_mask_sizes",
+            "StaticLayer.get_seq_length")),
+        {
+            f"{_MASK}:create_masks_for_generate": {"89a12bcbea32": "5.17.0-5.23.0"},
+            f"{_MASK}:create_causal_mask": {
+                "08e44eae3326": "5.17.0-5.19.0", "bd4450cc85d6": "5.20.2-5.22.2", "341ee68974b1": "5.23.0"},
+            f"{_MASK}:_preprocess_mask_arguments": {"df23eb733c6e": "5.17.0-5.23.0"},
+            f"{_MASK}:sdpa_mask": {
+                "acbbdd247878": "5.17.0-5.18.0", "2a073d7981cd": "5.19.0", "a30991b130d8": "5.20.2-5.23.0"},
+            f"{_MASK}:prepare_padding_mask": {"ad0de58050a9": "5.0.0-5.23.0"},
+            f"{_MASK}:padding_mask_function": {"5682e7f76fc8": "4.57.6-5.23.0"},
+            f"{_MASK}:causal_mask_function": {"e8566f1e2978": "4.57.6-5.23.0"},
+            f"{_MASK}:and_masks": {"789b132c21d8": "4.57.6-5.23.0"},
+            f"{_MASK}:_non_vmap_expansion_sdpa": {"5a75af9fba8f": "5.0.0-5.23.0"},
+            f"{_CU}:Cache.get_mask_sizes": {"6c372f7d47d1": "5.5.4-5.22.2", "979ed43a0b27": "5.23.0"},
+            f"{_CU}:Cache.get_query_offset": {"0890a0e73381": "5.14.1-5.23.0"},
+            f"{_CU}:Cache.get_seq_length": {"f0db0f879ef6": "5.5.4-5.22.2", "744955eaa379": "5.23.0"},
+            f"{_CU}:StaticLayer.get_mask_sizes": {"5e6bf16b2055": "5.4.0-5.23.0"},
+            f"{_CU}:StaticLayer.get_seq_length": {"0a7f87bee680": "5.4.0-5.23.0"},
+        },
+        "static_mask.MaskPlan",
+        why="about twenty kernels and a long Python chain per decode step build a mask that is "
+            "`(arange(cache length) <= offset) & padding`: two kernels",
+    ),
+)

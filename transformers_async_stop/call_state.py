@@ -1,0 +1,49 @@
+"""The state of one `generate()` call, and the one ContextVar that carries it.
+
+The `generate()` wrapper creates a `CallState` when the call starts and puts the caller's back when it returns or
+raises. A `generate()` called from inside a logits processor or a stopping criterion (an LLM judge, a reward model)
+therefore starts with clean state: it never sees, advances or undoes the outer call's controller.
+
+The state reaches the few places that have no explicit path to it (`_has_unfinished_sequences`, transformers'
+`DeferredStopCheck`, the beam-search helpers) through `CALL`. Anything that can run inside a model's forward calls
+`compiling()` first and goes straight to the original when it is true: torch.compile cannot trace `ContextVar.get`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+
+class CallState:
+    """What the package's wrappers share during one `generate()` call."""
+
+    __slots__ = ("user_cache", "slice_inputs", "fed_mask", "ctl", "beam", "model")
+
+    def __init__(self, model, user_cache: bool, slice_inputs: bool):
+        self.model = model
+        self.user_cache = user_cache  # the caller passed `past_key_values`: the cache outlives the call
+        self.slice_inputs = slice_inputs  # no user `cache_position`: inputs.py may slice by host lengths
+        self.fed_mask = None  # weakref to the tagged mask generate() feeds the model now (masking.py)
+        self.ctl = None  # the AsyncStop controller of a deferred decoding loop
+        self.beam = None  # the BeamLag of a deferred beam search
+
+
+CALL: contextvars.ContextVar[CallState | None] = contextvars.ContextVar("transformers_async_stop_call",
+                                                                       default=None)
+
+
+def current() -> CallState | None:
+    return CALL.get()
+
+
+def active_controller():
+    """The controller of the deferred loop of the innermost `generate()` call, or None."""
+    state = CALL.get()
+    return None if state is None else state.ctl
+
+
+def compiling() -> bool:
+    """True while dynamo traces (torch.compile, torch.export): leave every Python-side decision to the original."""
+    return torch.compiler.is_compiling()

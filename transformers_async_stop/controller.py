@@ -1,0 +1,304 @@
+"""`AsyncStop`: the one-step-late stop verdict of one decoding loop.
+
+Stock `generate()` asks "has every row finished?" at the end of each step by reading a device tensor on the host,
+which waits for the whole step. Here step t's verdict is copied into pinned host memory with a non-blocking copy
+and an event. The host reads it while step t+1 runs: at step t+1's logits processors (`join`), after step t+1's
+forward has been queued, so the GPU always has that forward to work on while the host waits, if it waits at all.
+
+If step t's verdict says "all finished", step t+1 is the extra step, the one the flag-off run never made. The host
+knows it before any logits processor or stopping criterion of that step runs, so none of them is called (user
+code sees exactly the calls the flag-off run makes), and `finish()` reports the step so the caller undoes its
+forward: the sequences, the records, the cache, and the random numbers it drew (the RNG state is snapshotted at the
+end of every step that is not known to be the last, and put back).
+
+`max_length`, and the room left in a fixed-size user cache, are decided on the host at the same step as stock:
+no step ever runs past either.
+
+Per call: two pinned verdict slots (two token slots with a streamer), two events and one "main stream ready" event.
+Per step: one non-blocking copy (two with a streamer), two event records, two stream waits, two stream switches.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .cache_rollback import cache_blocks_deferral, capacity
+from .config import warn_stock
+
+_SIDE_STREAMS: dict[int, list] = {}
+
+
+def side_stream(device: torch.device, main) -> "torch.cuda.Stream":
+    """The package's side stream on `device` (created once per device), never the stream the caller runs on: a
+    `generate()` called inside a stopping criterion runs on the outer call's side stream and gets another one."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    streams = _SIDE_STREAMS.setdefault(index, [])
+    for stream in streams:
+        if stream != main:
+            return stream
+    stream = torch.cuda.Stream(device=index)
+    streams.append(stream)
+    return stream
+
+
+class RngGuard:
+    """The generator the extra step draws from on `device` (dropout, sampling), snapshotted to give its draws back."""
+
+    __slots__ = ("generator", "saved")
+
+    def __init__(self, device: torch.device):
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.generator = torch.cuda.default_generators[index]
+        else:
+            self.generator = torch.default_generator
+        self.saved = None
+
+    def snapshot(self) -> None:
+        # on CUDA this is host-side state (seed and philox offset): no device read
+        self.saved = self.generator.get_state()
+
+    def restore(self) -> None:
+        if self.saved is not None:
+            self.generator.set_state(self.saved)
+
+
+class AsyncStop:
+    """Controller of one deferred decoding loop (`_sample` or `_beam_search`).
+
+    The loop calls, per step: `to_side` when the stopping criteria start (they run on the side stream), `record`
+    at the end of the step with the step's verdict, and `join` at the next step's logits processors.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, max_length: int | None, *, done_when: str, streamer=None,
+                 cache_returned: bool = False, route_a: bool = False):
+        self.device = device = input_ids.device
+        self.cuda = device.type == "cuda"
+        self.max_length = max_length
+        self.streamer = streamer
+        # what the recorded verdict tensor holds: "unfinished" (per-row flags, stop when none is set), "finished"
+        # (a bool, stop when true) or "running" (a bool, stop when false)
+        self._done_when = done_when
+        self.cache_returned = cache_returned
+        self.route_a = route_a  # 5.17+ loop shape: a returned croppable cache records its past (stop_check.py)
+        self._flags = None  # two pinned copies of the verdict, allocated at the first step
+        self._views = None  # numpy views of them: reading one costs no tensor op
+        self._tokens = [torch.zeros(input_ids.shape[0], dtype=torch.long, pin_memory=self.cuda)
+                        for _ in range(2)] if streamer is not None else None
+        if self.cuda:
+            self.main = torch.cuda.current_stream(device)
+            self.side = side_stream(device, self.main)
+            # `torch.cuda.set_stream` also makes the stream's device current; the caller's may be another one
+            # (inputs on cuda:1 while cuda:0 is current): it is put back after each side section
+            self._home = torch.cuda.current_device()
+            self._on_other_device = self._home != self.main.device_index
+            self._ready = torch.cuda.Event()  # main -> side: this step's ids and scores are made
+            self._done = [torch.cuda.Event() for _ in range(2)]  # side -> main and host: step's verdict is copied
+        self.rng = RngGuard(device)
+        self.steps = 0  # steps recorded
+        self.read = 0  # steps whose verdict the host has read
+        self.last_length = input_ids.shape[-1]
+        self.extra = False  # the step running now is the one the flag-off run never made
+        self.stopped_on_verdict = False  # a verdict read at once (no extra step) said "all finished"
+        self.overran = False  # an exception left the loop after a step stock never reached had run its forward
+        self._in_join = False
+        self.steps_to_undo = 0
+        self.room = None  # positions a fixed-size returned cache can hold, if fewer than max_length
+        self.synchronous = False  # read each verdict at once (a returned cache that cannot give a step back)
+        self.cache_seen = False
+        self.planned = False  # the per-call plans that need the model and its cache were made (masking.py)
+        self._on_side = False
+        self._pending = None  # the side stream's last event, not yet waited for by the main stream
+        self._warned: set[str] = set()
+        self.peers = None  # synced_gpus: the deferred all-reduce (peers.py)
+        self.last_verdict = None
+        self.deferred_check = None  # 5.17+: the DeferredStopCheck instance of this loop (stop_check.py)
+        self.cleanups = []  # run once by close(): per-call registrations made elsewhere (static_mask.py)
+
+    # -- the side stream ---------------------------------------------------------------------------------------
+    def to_side(self, input_ids: torch.Tensor, scores) -> None:
+        """Run what follows (criteria, the `unfinished_sequences` update, the verdict copy) on the side stream."""
+        if not self.cuda or self._on_side:
+            return
+        self._ready.record(self.main)
+        self.side.wait_event(self._ready)
+        # made on the main stream, read on the side one: keep the allocator from reusing them too early
+        input_ids.record_stream(self.side)
+        if isinstance(scores, tuple):
+            scores = scores[-1] if scores else None
+        if isinstance(scores, torch.Tensor):
+            scores.record_stream(self.side)
+        torch.cuda.set_stream(self.side)
+        self._on_side = True
+
+    def _to_main(self) -> None:
+        torch.cuda.set_stream(self.main)
+        if self._on_other_device:
+            torch.cuda.set_device(self._home)
+        self._on_side = False
+
+    def adopt(self, made_on_side: torch.Tensor) -> None:
+        """A tensor made on the side stream and used next on the main stream (`unfinished_sequences`)."""
+        if self._on_side:
+            made_on_side.record_stream(self.main)
+
+    # -- the verdict -------------------------------------------------------------------------------------------
+    def record(self, verdict: torch.Tensor, tokens: torch.Tensor | None, length: int) -> bool:
+        """End of a step: copy its verdict (a device tensor) and tokens to pinned memory; whether to stop now.
+
+        Stops now only where stock stops at this same step without a device read (`max_length`), where the host
+        already knows this step is the extra one, or where the verdict has to be read at once.
+        """
+        if self.extra:
+            if self._on_side:
+                self._to_main()
+            return True
+        slot = self.steps & 1
+        if self.peers is not None:
+            self.last_verdict = verdict  # the peers' all-reduce reads it at the next loop check
+        if self._flags is None:
+            self._flags = [torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=self.cuda) for _ in range(2)]
+            self._views = [flag.numpy() for flag in self._flags]
+        self._flags[slot].copy_(verdict, non_blocking=True)
+        if self._tokens is not None and tokens is not None:
+            if self._on_side:
+                tokens.record_stream(self.side)
+            self._tokens[slot].copy_(tokens, non_blocking=True)
+        if self.cuda:
+            event = self._done[slot]
+            if self._on_side:
+                event.record(self.side)
+                self._to_main()
+                if self.steps == 0:
+                    # The first update read the loop's initial `unfinished_sequences`, made in the main stream's
+                    # pool: once the loop drops it the main stream may reuse that memory. Wait here, once; later
+                    # verdicts are made on the side stream (and `record_stream`ed for the main one).
+                    self.main.wait_event(event)
+                else:
+                    self._pending = event
+            else:
+                event.record(self.main)
+        self.steps += 1
+        self.last_length = length
+        if self.max_length is not None and length >= self.max_length:
+            return True
+        if self.synchronous or (self.room is not None and length > self.room):
+            # no extra step allowed: read this verdict now, as stock does (a fixed-size cache with no room for
+            # another position, or a returned cache that cannot give one back)
+            self.stopped_on_verdict = self._read(self.steps - 1)
+            return self.stopped_on_verdict
+        self.rng.snapshot()
+        return False
+
+    def join(self) -> bool:
+        """At a step's logits processors: the main stream waits for the previous step's side-stream work, and the
+        host reads the previous step's verdict. True: the flag-off run stopped there, this step is the extra one."""
+        self.wait_pending()
+        if self.read < self.steps:
+            self._in_join = True
+            try:
+                if self._read(self.steps - 1):
+                    self.extra = True
+            finally:
+                self._in_join = False
+        return self.extra
+
+    def wait_pending(self) -> None:
+        """The main stream waits (on the device, the host does not) for the side stream's last step."""
+        if self._pending is not None:
+            self.main.wait_event(self._pending)
+            self._pending = None
+
+    def _read(self, step: int) -> bool:
+        """Wait for `step`'s copies, stream its tokens, and return whether its verdict says "all finished"."""
+        slot = step & 1
+        if self.cuda:
+            self._done[slot].synchronize()  # the run-ahead is bounded here, to about one step
+        self.read = step + 1
+        if self._tokens is not None:
+            try:
+                self.streamer.put(self._tokens[slot].clone())
+            except BaseException:
+                # stock streams these tokens at the end of their own step: if the streamer raises, the next
+                # step's forward has already run here, and is undone like an extra step (`abort`)
+                self.overran = self._in_join
+                raise
+        view = self._views[slot]
+        if self._done_when == "unfinished":
+            return not view.any()
+        if self._done_when == "finished":
+            return bool(view)
+        return not view  # "running"
+
+    def see_cache(self, cache, route_a: bool) -> None:
+        """The loop's cache, once it exists (after prefill): the room it has, and whether it can give a step back."""
+        if self.cache_seen or cache is None:
+            return
+        self.cache_seen = True
+        room = capacity(cache)
+        if room is not None and (self.max_length is None or room < self.max_length):
+            self.room = room
+        if self.cache_returned and not self.synchronous and self.steps == 0:
+            reason = cache_blocks_deferral(cache, route_a)
+            if reason is not None:
+                self.synchronous = True
+                warn_stock(reason)
+
+    def finish(self) -> int:
+        """After the loop: drain the copies, stream what is left, return how many steps (0 or 1) to undo, and give
+        back the extra step's random draws."""
+        self.close()
+        if self.peers is not None:
+            self.peers.drain()
+        self.steps_to_undo = 1 if self.extra else 0
+        if self.read < self.steps and not self.extra:
+            self._read(self.steps - 1)  # the last step's tokens (stopped at max_length)
+        if self.cuda:
+            for event in self._done:
+                event.synchronize()
+        if self.steps_to_undo:
+            self.rng.restore()
+        return self.steps_to_undo
+
+    def abort(self) -> None:
+        """An exception left the loop: stream the tokens stock had streamed before it, give back the random draws
+        of a step stock never reached, leave the streams as found."""
+        self.close()
+        if self.read < self.steps and not self.extra and self._tokens is not None:
+            self._read(self.steps - 1)
+        if self.overran:
+            self.rng.restore()
+
+    def close(self) -> None:
+        """Leave the streams as found, also after an exception inside the loop; undo per-call registrations."""
+        while self.cleanups:
+            self.cleanups.pop()()
+        self.deferred_check = None  # it points back here: no cycle may keep the pinned buffers alive
+        if self.cuda:
+            if self._on_side:
+                self._to_main()
+            self._pending = None
+            self.main.wait_stream(self.side)
+
+    @property
+    def kept_cache_length(self) -> int:
+        """Positions the flag-off run leaves in the cache: every token but the last returned one (the extra step
+        fed that one, at this position; `last_length` is the flag-off run's final length)."""
+        return self.last_length - 1
+
+    def warn_host_verdict(self, criteria) -> None:
+        """A user criterion answered with a Python value: it read the device itself, every step."""
+        name = type(criteria).__name__
+        if name in self._warned:
+            return
+        self._warned.add(name)
+        warnings.warn(
+            f"async_stopping_criteria=True: stopping criterion {name} returned a "
+            "Python value instead of a per-row bool tensor; computing it most likely read a device tensor on the "
+            "host (a blocking sync every step) that the flag cannot remove. Results stay exact. Return "
+            "`torch.BoolTensor` of shape (batch_size,) to make it sync-free.",
+            UserWarning,
+            stacklevel=5,
+        )

@@ -1,0 +1,227 @@
+"""The call's logits processors, stopping criteria and streamer, as the deferred loop hands them to stock code.
+
+Each is built once per `generate()` call around the user's objects and does per step only what varies per step:
+- `JoiningLogitsProcessors` is where the host reads the previous step's verdict (`AsyncStop.join`). In the extra
+  step it returns the scores untouched, so no processor runs in a step the flag-off run never made;
+- `SideStreamCriteria` runs the criteria on the side stream; in the extra step it calls none of them;
+- `ExtraStepStreamer` (5.0-5.16 only) drops the extra step's token.
+
+The parts of stock code they replicate are listed in `targets.SHORTCUTS` with the upstream sources they were
+checked against; where the installed source differs, the stock object is called instead (`verified.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+from .verified import matches
+
+# torch.isin switches to a sort-based algorithm (whose `unique` reads a device count: a blocking sync) once the
+# test set has about 10 * numel**0.145 elements; at one row that is 10 EOS ids.
+_ISIN_SORTS_FROM = 10
+
+
+# --- logits processors --------------------------------------------------------------------------------------------
+class _EosMask:
+    """`MinLengthLogitsProcessor` / `MinNewTokensLengthLogitsProcessor.__call__` with the EOS mask made once per call.
+
+    Copied from transformers v4.57.6-v5.23.0 (same body; 5.x spells `isin_mps_friendly` as `torch.isin`, the same
+    function off MPS). Differences: `isin(arange(vocab), eos)` is computed at the first step and kept (stock
+    rebuilds it, two kernels and a sort-free isin, every step); inside the minimum length the stock clone that is
+    immediately replaced is skipped. The same values come out.
+    """
+
+    __slots__ = ("processor", "minimum", "offset", "mask")
+
+    def __init__(self, processor):
+        self.processor = processor
+        if type(processor) is MinLengthLogitsProcessor:
+            self.minimum, self.offset = processor.min_length, 0
+        else:
+            self.minimum, self.offset = processor.min_new_tokens, processor.prompt_length_to_skip
+        self.mask = None
+
+    def __call__(self, input_ids, scores):
+        if self.mask is None:  # the vocabulary and the device are the call's own
+            vocab = torch.arange(scores.shape[-1], device=scores.device)
+            self.mask = torch.isin(vocab, self.processor.eos_token_id)
+        if input_ids.shape[-1] - self.offset < self.minimum:
+            return torch.where(self.mask, -math.inf, scores)
+        return scores.clone()
+
+
+def _plan_processor(processor):
+    """(callable, names of the extra keyword arguments it requires) for one processor, decided once per call."""
+    if type(processor) in (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor) and matches(
+            f"{type(processor).__name__}.__call__"):
+        return _EosMask(processor), ()
+    # what `LogitsProcessorList.__call__` asks of each processor at every step
+    names = list(inspect.signature(processor.__call__).parameters.keys())
+    return processor, tuple(names[2:]) if len(names) > 2 else None
+
+
+class JoiningLogitsProcessors(LogitsProcessorList):
+    """The call's logits processors. First, the host reads the previous step's verdict: in the extra step no
+    processor runs.
+
+    Copied from transformers v4.57.6-v5.23.0 `LogitsProcessorList.__call__`. Differences: each processor's signature
+    is read once per call instead of once per step, and the two minimum-length processors keep their EOS mask
+    (`_EosMask`). Where the installed `LogitsProcessorList.__call__` is not one we checked, it is called as is.
+    """
+
+    def __init__(self, processors: LogitsProcessorList, ctl):
+        super().__init__(processors)
+        self._ctl = ctl
+        self._plan = [_plan_processor(p) for p in processors] if matches("LogitsProcessorList.__call__") else None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self._ctl.join():
+            return scores  # the extra step: its token is undone, and no user code may see it
+        if self._plan is None:
+            return super().__call__(input_ids, scores, **kwargs)
+        for processor, extra in self._plan:
+            if extra is None:
+                scores = processor(input_ids, scores)
+            else:
+                if not all(arg in kwargs for arg in extra):
+                    raise ValueError(
+                        f"Make sure that all the required parameters: "
+                        f"{list(inspect.signature(processor.__call__).parameters.keys())} for "
+                        f"{processor.__class__} are passed to the logits processor."
+                    )
+                scores = processor(input_ids, scores, **kwargs)
+        return scores
+
+
+# --- stopping criteria --------------------------------------------------------------------------------------------
+_CALL, _MAX_LENGTH, _MANY_EOS = range(3)
+
+
+def _plan_criterion(criterion) -> int:
+    """How a criterion is evaluated each step. Only the exact built-in types get a shortcut: a subclass may have
+    its own `__call__`."""
+    kind = type(criterion)
+    if kind is MaxLengthCriteria and matches("MaxLengthCriteria.__call__"):
+        return _MAX_LENGTH
+    if kind is EosTokenCriteria and criterion.eos_token_id.numel() >= _ISIN_SORTS_FROM and matches(
+            "EosTokenCriteria.__call__"):
+        return _MANY_EOS
+    return _CALL
+
+
+def _last_tokens_are_eos(criterion, input_ids, kwargs):
+    """`EosTokenCriteria.__call__` without `torch.isin`: a broadcast compare, the same booleans.
+
+    Copied from transformers v4.57.6-v5.23.0 (5.11+ also look at the last `new_token_length` tokens; earlier
+    releases at the last one, whatever the keyword says)."""
+    criterion.eos_token_id = criterion.eos_token_id.to(input_ids.device)
+    length = kwargs.get("new_token_length", 1) if _eos_takes_length() else 1
+    tail = input_ids[:, -length:]
+    return (tail[..., None] == criterion.eos_token_id.reshape(-1)).any(-1).any(-1)
+
+
+@functools.cache
+def _eos_takes_length() -> bool:
+    return "new_token_length" in inspect.signature(EosTokenCriteria.__call__).parameters
+
+
+class SideStreamCriteria(StoppingCriteriaList):
+    """The call's stopping criteria, run on the controller's side stream; none runs in the extra step.
+
+    Copied from transformers v4.57.6-v5.23.0 `StoppingCriteriaList.__call__`. Differences:
+    - an exact `MaxLengthCriteria` is skipped while it can only say "not yet" and its `max_position_embeddings`
+      warning cannot fire: the deferred loop decides `max_length` on the host, exactly, at the same step;
+    - the first per-row bool result seeds the reduction instead of a `torch.full` of False;
+    - an exact `EosTokenCriteria` with 10 or more ids is a broadcast compare instead of `torch.isin`, whose sorting
+      algorithm reads a device count on the host every step.
+    Each shortcut is taken only where the installed source is one we checked (`targets.SHORTCUTS`).
+    """
+
+    def __init__(self, criteria: StoppingCriteriaList, ctl):
+        super().__init__(criteria)
+        self._ctl = ctl
+        self._max_length = criteria.max_length
+        self._plan = [(c, _plan_criterion(c)) for c in criteria] if matches("StoppingCriteriaList.__call__") else None
+
+    @property
+    def max_length(self):
+        return self._max_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        ctl = self._ctl
+        if ctl.extra:
+            # the step the flag-off run never made: all rows "done", whatever the criteria would say
+            return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        ctl.to_side(input_ids, scores)
+        if self._plan is None:
+            return super().__call__(input_ids, scores, **kwargs)
+        length = input_ids.shape[-1]
+        is_done = None
+        for criterion, kind in self._plan:
+            if kind == _MAX_LENGTH:
+                if length < criterion.max_length and (criterion.max_position_embeddings is None
+                                                      or length <= criterion.max_position_embeddings):
+                    continue
+                done = criterion(input_ids, scores, **kwargs)
+            elif kind == _MANY_EOS:
+                done = _last_tokens_are_eos(criterion, input_ids, kwargs)
+            else:
+                done = criterion(input_ids, scores, **kwargs)
+                if not isinstance(done, torch.Tensor):
+                    ctl.warn_host_verdict(criterion)
+            if is_done is None:
+                if isinstance(done, torch.Tensor) and done.dtype == torch.bool and done.shape == (input_ids.shape[0],):
+                    is_done = done
+                    continue
+                # anything else combines with stock's all-False seed (Python bools, other dtypes promote)
+                is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            is_done = is_done | done
+        if is_done is None:
+            is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return is_done
+
+
+class ExtraStepCriteria(StoppingCriteriaList):
+    """Beam search's criteria (run in line, on the main stream): none runs in the extra step."""
+
+    def __init__(self, criteria: StoppingCriteriaList, ctl):
+        super().__init__(criteria)
+        self._ctl = ctl
+        self._max_length = criteria.max_length
+
+    @property
+    def max_length(self):
+        return self._max_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self._ctl.extra:
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return super().__call__(input_ids, scores, **kwargs)
+
+
+# --- the streamer -------------------------------------------------------------------------------------------------
+class ExtraStepStreamer:
+    """5.0-5.16 only: stock code hands each token to the streamer as soon as it is made, after the step's logits
+    processors, by which time the host has read the previous verdict: the extra step's token is dropped, every
+    other one is delivered at the same moment as without the flag."""
+
+    def __init__(self, streamer, ctl):
+        self._streamer = streamer
+        self._ctl = ctl
+
+    def put(self, value):
+        if not self._ctl.extra:
+            self._streamer.put(value)
+
+    def __getattr__(self, name):
+        return getattr(self._streamer, name)
