@@ -1,33 +1,228 @@
-"""The benchmark command works end to end in its quick CPU mode (the GPU figures need a GPU run)."""
+"""The benchmark command works end to end in its quick CPU mode (the GPU figures need a GPU run).
+
+No assertion here is about time: CPU timings say nothing about the flag, and a loaded CI host says nothing at all.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import io
 import json
 import os
 import tempfile
 import unittest
+from unittest import mock
 
-from transformers_async_stop import bench
+import torch
+from transformers.generation.logits_process import LogitsProcessor
+
+from transformers_async_stop import bench, is_patched
+from transformers_async_stop.bench import cases, gpu, measure, report, variants
+
+
+class RecordPatched(LogitsProcessor):
+    """A user processor that notes, at every decode step, which variant is set up and whether the package is applied."""
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def __call__(self, input_ids, scores):
+        self.seen.append((variants.active(), is_patched()))
+        return scores
+
+
+def recording_cases(seen: list) -> dict:
+    builtin = cases.builtin_cases()
+    tiny = builtin["tiny-llama"]
+
+    def extra(run, model):
+        kwargs = tiny.extra(run, model)
+        kwargs["logits_processor"].append(RecordPatched(seen))
+        return kwargs
+
+    return dict(builtin, **{"tiny-llama": dataclasses.replace(tiny, extra=extra)})
+
+
+def run_bench(argv: list[str], bench_cases: dict) -> tuple[int, dict, str, str]:
+    """main() with JSON and Markdown output; returns (exit code, JSON, Markdown, stdout)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        json_path, md_path = os.path.join(tmp, "b.json"), os.path.join(tmp, "b.md")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = bench.main(argv + ["--device", "cpu", "--json", json_path, "--markdown", md_path],
+                              cases=bench_cases)
+        with open(json_path) as f:
+            result = json.load(f)
+        with open(md_path) as f:
+            markdown = f.read()
+    return code, result, markdown, out.getvalue()
 
 
 class QuickBenchmark(unittest.TestCase):
-    def test_quick_mode_writes_json_and_markdown_with_exact_outputs(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            json_path, md_path = os.path.join(tmp, "b.json"), os.path.join(tmp, "b.md")
-            code = bench.main(["--quick", "--device", "cpu", "--modes", "eager", "--json", json_path,
-                               "--markdown", md_path])
-            self.assertEqual(code, 0)
-            with open(json_path) as f:
-                result = json.load(f)
-            with open(md_path) as f:
-                markdown = f.read()
-        self.assertIn("transformers", json.dumps(result["header"]))
-        self.assertTrue(result["runs"])
-        for run in result["runs"]:
-            self.assertIsNone(run["error"])
-            self.assertIs(run["exact"], True, run["label"])  # flag on (forced on CPU) equals stock
-            self.assertIsNone(run["variants"]["async"]["syncs_per_step"])  # no CUDA, no sync figures
-        self.assertIn("| case |", markdown)
+    @classmethod
+    def setUpClass(cls):
+        cls.seen = []
+        # 8 tokens instead of 16: the beam and padded runs dominate the time
+        cls.code, cls.result, cls.markdown, cls.stdout = run_bench(["--quick", "--new-tokens", "8"],
+                                                                   recording_cases(cls.seen))
+        cls.patched_after = is_patched()
+        cls.expected = ["stock", "imported", "async"] + (["upstream"] if variants.upstream_available() else [])
+
+    def test_quick_mode_writes_json_and_markdown(self):
+        self.assertEqual(self.code, 0)
+        header = self.result["header"]
+        self.assertEqual(header["transformers"], __import__("transformers").__version__)
+        self.assertEqual(header["variants"], self.expected)  # no floor without CUDA
+        self.assertIn("| case |", self.markdown)
+        decodes = {r["decode"] for r in self.result["runs"]}
+        self.assertEqual(decodes, {"greedy", "sample", "padded", "beam"})
+        for run in self.result["runs"]:
+            self.assertIsNone(run["error"], run["label"])
+            self.assertEqual(list(run["variants"]), self.expected)
+            for m in run["variants"].values():
+                self.assertEqual(len(m["ms_per_token_reps"]), header["reps"])
+                self.assertIsNone(m["syncs_per_step"])  # no CUDA, no sync figures
+        ref = header["host_reference"]
+        self.assertIsNotNone(ref["ms_per_token"])
+        self.assertIn("this run's", ref["source"])
+        self.assertIn("host reference", self.stdout)
+
+    def test_every_variant_equals_stock(self):
+        for run in self.result["runs"]:
+            self.assertTrue(run["stock_repeatable"], run["label"])
+            self.assertIs(run["exact"], True, run["label"])
+            for v in self.expected[1:]:
+                self.assertIs(run["variants"][v]["exact"], True, f"{run['label']} {v}")
+
+    def test_no_ratio_columns_on_cpu(self):
+        for text in (self.stdout, self.markdown):
+            self.assertNotIn("vs stock", text)
+            self.assertNotIn("vs upstream", text)
+            self.assertNotIn("async/stock", text)
+            self.assertEqual(text.count(report.NO_RATIO_MESSAGE), 1)
+        for run in self.result["runs"]:
+            self.assertIsNone(run["ratios"])
+            for m in run["variants"].values():
+                self.assertIsNone(m["speedup"])
+
+    def test_stock_and_upstream_run_unpatched_and_the_package_is_applied_again(self):
+        self.assertTrue(self.patched_after)
+        self.assertIsNone(variants.active())
+        by_variant = {}
+        for name, patched in self.seen:
+            by_variant.setdefault(name, set()).add(patched)
+        self.assertEqual(set(by_variant), set(self.expected))  # every generate() ran inside a variant's set-up
+        self.assertEqual(by_variant["stock"], {False})
+        self.assertEqual(by_variant["imported"], {True})
+        self.assertEqual(by_variant["async"], {True})
+        if "upstream" in by_variant:
+            self.assertEqual(by_variant["upstream"], {False})
+
+    def test_interleaved_order_covers_every_variant(self):
+        reps = self.result["header"]["reps"]
+        for run in self.result["runs"]:
+            self.assertEqual(run["order"], variants.rep_orders(self.expected, reps))
+            for order in run["order"]:
+                self.assertEqual(sorted(order), sorted(self.expected))
+        names = list(variants.TIMED)
+        orders = variants.rep_orders(names, 2 * len(names))
+        for position in range(len(names)):  # over k reps, each variant takes each position once
+            self.assertEqual(sorted(o[position] for o in orders[:len(names)]), sorted(names))
+        self.assertEqual(orders[len(names):], orders[:len(names)])
+
+
+class Pieces(unittest.TestCase):
+    def test_cuda_path_with_the_gpu_calls_faked(self):
+        """measure_run's CUDA branch (floor, syncs and memory, ratios) and the CUDA table, on CPU: the device calls
+        are replaced by fakes, so this checks the bookkeeping and formatting, not any GPU figure."""
+        timed = ["stock", "imported", "async"] + (["upstream"] if variants.upstream_available() else [])
+
+        def count_syncs(model, kwargs, flag, device):  # stock: one sync per step; async: none after prefill
+            return (1 if flag.get("async_stopping_criteria") else kwargs["max_new_tokens"]), 42.0
+
+        def gpu_time_ms(model, kwargs, flag, device):
+            return 0.25 * kwargs["max_new_tokens"]
+
+        def timed_ms(model, kwargs, flag, device):  # no clock: 1 ms per token, 0.5 with the flag
+            return (0.5 if flag.get("async_stopping_criteria") else 1.0) * kwargs["max_new_tokens"]
+
+        tiny = cases.builtin_cases()["tiny-llama"]
+        device = torch.device("cpu")
+        model = tiny.build(device, torch.float32)
+        run = cases.Run(tiny, "eager", 1, "greedy", 6, "fp32")
+        with mock.patch.object(gpu, "count_syncs", count_syncs), mock.patch.object(gpu, "gpu_time_ms", gpu_time_ms), \
+                mock.patch.object(measure, "timed_ms", timed_ms), \
+                mock.patch.object(measure.Ctx, "cuda", new=property(lambda self: True)):
+            record = measure.measure_run(model, run, variants.Selection(timed, True, []), 2, device,
+                                         lambda *a, **k: None)
+        self.assertTrue(is_patched())
+        self.assertAlmostEqual(record["floor_ms_per_token"], 0.25)
+        self.assertEqual(record["variants"]["async"]["syncs_per_step"], 0)
+        self.assertEqual(record["variants"]["stock"]["syncs_per_step"], 1)
+        self.assertEqual(record["variants"]["async"]["peak_mem_mib"], 42.0)
+        self.assertIsNone(record["variants"]["stock"]["speedup"])
+        self.assertAlmostEqual(record["variants"]["async"]["speedup"], 2.0)
+        self.assertAlmostEqual(record["variants"]["imported"]["speedup"], 1.0)
+        self.assertAlmostEqual(record["variants"]["async"]["gpu_busy"], 0.5)
+        self.assertIs(record["ratios"]["imported_vs_stock"]["within_tolerance"], True)
+        if "upstream" in timed:
+            self.assertAlmostEqual(record["variants"]["async"]["vs_upstream"], 2.0)
+        self.assertEqual(set(record["ratios"]), {"async_vs_stock", "imported_vs_stock"} | (
+            {"async_vs_upstream", "upstream_vs_stock"} if "upstream" in timed else set()))
+
+        args = argparse.Namespace(reps=2, quick=True)
+        reference = {"ms_per_token": 1.0, "new_tokens": 6, "iqr_pct": 1.0, "source": "test"}
+        result = {"header": report.header(device, "cmd", args, timed, True, [], reference), "runs": [record]}
+        result["header"]["gpu_figures"] = True
+        text = report.text_report(result)
+        for title in ("vs stock", "vs upstream", "syncs/step", "GPU-busy", "async/stock", "imported/stock (±2%)"):
+            self.assertIn(title, text)
+        self.assertIn("| floor |", report.markdown(result))
+
+    @unittest.skipUnless(variants.upstream_available(), "no DeferredStopCheck in this transformers release")
+    def test_upstream_gate_opens_for_cuda_only_and_is_put_back(self):
+        cls = importlib.import_module("transformers.generation.utils").DeferredStopCheck
+        stored = vars(cls)["is_supported"]
+        with variants.variant("upstream") as flag:
+            self.assertEqual(flag, {})
+            self.assertFalse(is_patched())
+            self.assertTrue(cls.is_supported(torch.device("cuda"), None, False, False))
+            self.assertFalse(cls.is_supported(torch.device("cuda"), None, False, True))  # an assistant's loop
+            self.assertFalse(cls.is_supported(torch.device("cpu"), None, False, False))
+        self.assertIs(vars(cls)["is_supported"], stored)
+        self.assertTrue(is_patched())
+
+    def test_ratios(self):
+        found = measure.ratios({"stock": [2.0, 2.0, 2.2], "async": [1.0, 1.0, 1.1], "upstream": [1.5, 1.5, 1.5],
+                                "imported": [2.02, 2.0, 2.2]})
+        self.assertAlmostEqual(found["async_vs_stock"]["value"], 2.0)
+        self.assertAlmostEqual(found["async_vs_upstream"]["value"], 1.5)
+        self.assertAlmostEqual(found["upstream_vs_stock"]["value"], 2.0 / 1.5)
+        self.assertEqual(found["async_vs_stock"]["paired"]["min"], 2.0)
+        self.assertTrue(found["imported_vs_stock"]["within_tolerance"])
+        self.assertFalse(measure.ratios({"stock": [1.0], "imported": [1.1]})["imported_vs_stock"]["within_tolerance"])
+        self.assertEqual(measure.ratios({"async": [1.0]}), {})
+
+    def test_variant_subset_without_stock_and_separate_host_reference(self):
+        tiny = cases.builtin_cases()["tiny-llama"]
+        own = {"tiny-copy": dataclasses.replace(tiny, name="tiny-copy", tiny=False)}
+        with tempfile.TemporaryDirectory() as traces:
+            code, result, _, _ = run_bench(["--quick", "--cases", "tiny-copy", "--modes", "static", "--variants",
+                                            "async,floor", "--reps", "2", "--new-tokens", "4", "--trace", traces], own)
+            self.assertEqual(os.listdir(traces), ["tiny-copy-static-b1-async.json"])  # stock was not selected
+        self.assertEqual(code, 0)
+        self.assertEqual(result["header"]["variants"], ["async"])
+        self.assertTrue(any("floor skipped" in n for n in result["header"]["notes"]))
+        (run,) = result["runs"]
+        self.assertEqual(list(run["variants"]), ["async"])
+        self.assertIs(run["variants"]["async"]["exact"], True)  # against a stock call made for the purpose
+        ref = result["header"]["host_reference"]
+        self.assertIsNotNone(ref["ms_per_token"])
+        self.assertIn("separately", ref["source"])
+        self.assertTrue(is_patched())
 
 
 if __name__ == "__main__":

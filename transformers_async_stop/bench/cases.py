@@ -1,0 +1,204 @@
+"""What is benchmarked: the cases (a model and its workload), their runs, and the generate() kwargs of a run.
+
+A case builds one model (random weights from a config, no hub download; or a local checkpoint) and owns several
+runs (mode x batch x decode), all measured on that one model. `generate_kwargs` is the one place where a run turns
+into `generate()` keyword arguments: a case's own extras (user criteria and processors today; an assistant model
+for assisted decoding later) come in through `Case.extra` there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MODES = ("eager", "static")
+BEAMS = 4
+QUICK_NEW_TOKENS = 16
+REFERENCE_CASE = "tiny-llama"  # its stock eager b1 ms/token is each run's host-speed reference
+
+
+# --- the tiny-llama workload of transformers issue #43089 -------------------------------------------------------
+class NeverStop(StoppingCriteria):
+    """A user criterion that never fires: the stop flag still has to be read every step."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class ExtraSoftmax(LogitsProcessor):
+    """A user logits processor that applies a second softmax: one more small kernel per step."""
+
+    def __call__(self, input_ids, scores):
+        return scores.softmax(-1)
+
+
+def issue_43089_extras(run: "Run", model) -> dict:
+    return {"stopping_criteria": StoppingCriteriaList([NeverStop()]),
+            "logits_processor": LogitsProcessorList([ExtraSoftmax()])}
+
+
+# --- cases and runs -----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[torch.device, torch.dtype], torch.nn.Module]
+    batches: tuple[int, ...]
+    new_tokens: int
+    prompt_len: int
+    dtype: str  # default on CUDA; CPU runs in fp32 unless --dtype says otherwise
+    pad_token_id: int | None = None  # None: taken from the model's generation config
+    tiny: bool = False  # cheap enough for CPU and --quick
+    # extra generate() kwargs of every run of the case: (run, model) -> dict. Stopping criteria and logits
+    # processors given here are the user's own; an assistant model (assisted decoding) would come in here too.
+    extra: Callable[["Run", torch.nn.Module], dict] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One measured configuration of a case: every variant runs on it."""
+
+    case: Case
+    mode: str  # "eager" (DynamicCache) or "static" (StaticCache, auto-compiled into CUDA graphs on CUDA)
+    batch: int
+    decode: str  # "greedy", "sample", "padded" (greedy, left-padded batch) or "beam" (BEAMS beams, greedy)
+    new_tokens: int
+    dtype: str
+
+    @property
+    def label(self) -> str:
+        extra = "" if self.decode == "greedy" else f" {self.decode}"
+        return f"{self.case.name} {self.mode} b{self.batch}{extra}"
+
+
+def _from_config(config) -> Callable[[torch.device, torch.dtype], torch.nn.Module]:
+    def build(device, dtype):
+        torch.manual_seed(0)
+        # built directly on the device: initialising 1B parameters on the CPU first takes longer than the benchmark
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model.eval()
+
+    return build
+
+
+def _from_checkpoint(path: str) -> Callable[[torch.device, torch.dtype], torch.nn.Module]:
+    def build(device, dtype):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        return model.to(device).eval()
+
+    return build
+
+
+def builtin_cases() -> dict[str, Case]:
+    tiny = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=1, num_key_value_heads=1)
+    llama_1b = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                           num_key_value_heads=8, vocab_size=128256)
+    return {
+        "tiny-llama": Case("tiny-llama", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
+                           extra=issue_43089_extras),
+        "gpt2": Case("gpt2", _from_config(GPT2Config()), (1, 32), 100, 32, "fp32", pad_token_id=50256),
+        "llama-1b": Case("llama-1b", _from_config(llama_1b), (1, 32), 128, 32, "bf16", pad_token_id=0),
+    }
+
+
+def model_case(path: str) -> Case:
+    name = "model:" + os.path.basename(os.path.normpath(path))
+    return Case(name, _from_checkpoint(path), (1,), 128, 32, "bf16")
+
+
+def _names(text: str | None) -> list[str]:
+    return [n.strip() for n in (text or "").split(",") if n.strip()]
+
+
+def plan_runs(args, device: torch.device, cases: dict[str, Case]) -> list[tuple[Case, list[Run]]]:
+    """The cases to run, each with its runs; a case's runs share one model."""
+    if args.cases:
+        names = _names(args.cases)
+        unknown = [n for n in names if n not in cases]
+        if unknown:
+            raise SystemExit(f"unknown case(s) {unknown}; known: {', '.join(cases)}")
+    elif args.quick or device.type != "cuda":
+        names = [n for n, c in cases.items() if c.tiny]
+    else:
+        names = [n for n in cases if n != "llama-1b" or _gpu_gib(device) >= 8]
+    selected = [cases[n] for n in names]
+    if args.model:
+        selected.append(model_case(args.model))
+
+    # the sampling, left-padded and beam-search runs go to the largest built-in case selected (tiny on CPU)
+    extras_to = next((n for n in ("llama-1b", "tiny-llama") if n in names), None)
+    modes = _names(args.modes) or list(MODES)
+    plan = []
+    for case in selected:
+        runs = [run_of(case, args, device, mode, b) for mode in modes for b in (args.batch or case.batches)]
+        if case.name == extras_to and "static" in modes:
+            first = args.batch[0] if args.batch else None
+            runs.append(run_of(case, args, device, "static", first or 1, "sample"))
+            runs.append(run_of(case, args, device, "static", first or 8, "padded"))
+            runs.append(run_of(case, args, device, "static", first or 1, "beam"))
+        plan.append((case, runs))
+    return plan
+
+
+def run_of(case: Case, args, device: torch.device, mode: str, batch: int, decode: str = "greedy") -> Run:
+    new_tokens = args.new_tokens or (QUICK_NEW_TOKENS if args.quick else case.new_tokens)
+    dtype = args.dtype or (case.dtype if device.type == "cuda" else "fp32")
+    return Run(case, mode, batch, decode, new_tokens, dtype)
+
+
+def _gpu_gib(device: torch.device) -> float:
+    return torch.cuda.get_device_properties(device).total_memory / 2**30
+
+
+# --- inputs and generate() kwargs ---------------------------------------------------------------------------------
+def make_inputs(run: Run, model, device: torch.device) -> dict:
+    vocab = model.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(1)
+    # ids 3..vocab-2: clear of the usual special tokens (bos/eos/pad at the ends of the vocabulary)
+    ids = torch.randint(3, vocab - 1, (run.batch, run.case.prompt_len), generator=gen)
+    mask = torch.ones_like(ids)
+    if run.decode == "padded":
+        step = max(1, run.case.prompt_len // 8)
+        for row in range(run.batch):
+            pad = ((row + 1) % 4) * step  # rows 3, 7, ... unpadded; the others 1-3 eighths of the prompt
+            mask[row, :pad] = 0
+            ids[row, :pad] = pad_token_id(run.case, model)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def pad_token_id(case: Case, model) -> int:
+    if case.pad_token_id is not None:
+        return case.pad_token_id
+    config = model.generation_config
+    for candidate in (config.pad_token_id, config.eos_token_id):
+        if isinstance(candidate, (list, tuple)):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def generate_kwargs(run: Run, model, inputs: dict, new_tokens: int) -> dict:
+    """The generate() kwargs of a run, the same for every variant (a variant adds only its flag, if any)."""
+    kwargs = dict(
+        inputs,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # eos is masked until the budget is spent: every variant does the same work
+        do_sample=run.decode == "sample",
+        num_beams=BEAMS if run.decode == "beam" else 1,
+        pad_token_id=pad_token_id(run.case, model),
+    )
+    if run.mode == "static":
+        kwargs["cache_implementation"] = "static"
+    if run.case.extra is not None:
+        kwargs.update(run.case.extra(run, model))
+    return kwargs
