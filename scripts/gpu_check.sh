@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: CUDA tests on transformers 5.0.0, 5.17.0 and 5.23.0, stream-op costs, benchmark,
-# and (on a machine with two GPUs) the multi-GPU tests: device_map, tensor parallel, synced_gpus over NCCL.
-#   bash scripts/gpu_check.sh [tests|bench|multi|all|tests,multi] [extra bench args for 5.23...]
-# Environment: VERSIONS="t500 t517 t523" (which releases), BENCH_OLD_CASES (cases for 5.0/5.17),
-#              BENCH_TRACE=1 (Chrome traces of the 5.23 cases)
-# transformers 5.17.0 is the device image's own; 5.0.0 and 5.23.0 travel as wheels in .whl/ (docs/gpu-runs.md).
-# Everything lands in $OUT/gpu-check.tgz (the device returns at most 8 files); the summary goes to stdout.
+# One call on a GPU machine checks and times everything asked for, per transformers release:
+#   bash scripts/gpu_check.sh [what] [extra bench args...]
+# what: a comma list of
+#   tests     CUDA tests (tests/test_cuda.py): equality, streams, syncs per decode step
+#   overhead  the package's own host time per decode step (scripts/own_overhead.py)
+#   profile   where a decode step's host time goes, stock / upstream / imported / async (scripts/host_profile.py)
+#   bench     the benchmark (python -m transformers_async_stop.bench), extra args passed through
+#   multi     on two GPUs: device_map, tensor parallel, synced_gpus over NCCL
+#   fuzz      the differential fuzz on CUDA (TAS_FUZZ_DRAWS draws, default 200)
+#   all       tests,overhead,bench
+# Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, BENCH_TRACE=1.
+# transformers 5.17.0 is the device image's own; the others travel as wheels in .whl/ (docs/gpu-runs.md).
+# Everything lands in $OUT/gpu-check.tgz (the device returns at most 8 files); a summary goes to stdout.
 set -u
 what=${1:-all}; shift || true
 final=${OUT:-gpu-out}; mkdir -p "$final"
 out=$(mktemp -d)
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$out/device.txt"
+  python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
+  git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20; } | tee "$out/device.txt"
 
 site() {  # the carried wheels of one transformers release, in a folder of their own
   local tag=$1 dir=/tmp/site_$1
@@ -22,28 +30,38 @@ site() {  # the carried wheels of one transformers release, in a folder of their
   echo "$dir"
 }
 
-has() { case ",$what," in *",$1,"*|*",all,"*) return 0 ;; *) return 1 ;; esac; }
+has() { case ",$what," in *",$1,"*) return 0 ;; *",all,"*) case $1 in tests|overhead|bench) return 0 ;; esac ;; esac; return 1; }
 
-if has tests; then
-  python3 scripts/stream_overhead.py | tee "$out/stream_overhead.txt"
-fi
-for tag in ${VERSIONS:-t500 t517 t523}; do
+for tag in ${VERSIONS:-t523}; do
   case $tag in t517) dir=$(site common) ;; *) dir=$(site $tag) ;; esac
   export PYTHONPATH="$dir:$PWD"
   ver=$(python3 -c "import transformers; print(transformers.__version__)")
   echo "=== transformers $ver"
+  if has overhead; then
+    timeout 120 python3 scripts/own_overhead.py 2>&1 | tee "$out/overhead_$ver.txt"
+  fi
   if has tests; then
-    python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py > "$out/pytest_$ver.txt" 2>&1
-    grep -E "SYNCS|passed|failed|Error" "$out/pytest_$ver.txt" | tail -40
+    timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py > "$out/pytest_$ver.txt" 2>&1
+    grep -E "SYNCS|passed|failed|Error|error" "$out/pytest_$ver.txt" | tail -40
+  fi
+  if has profile; then
+    timeout 240 python3 scripts/host_profile.py --cases "${PROFILE_CASES:-tiny-static,llama1b-static}" \
+      > "$out/profile_$ver.txt" 2>&1
+    grep -E "^===|ms/token|^tiny|^llama|package|create_masks|prepare_inputs|processors|criteria" "$out/profile_$ver.txt" | tail -60
+  fi
+  if has fuzz; then
+    TAS_FUZZ_DEVICE=cuda TAS_FUZZ_DRAWS=${TAS_FUZZ_DRAWS:-200} timeout 400 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_fuzz.py > "$out/fuzz_$ver.txt" 2>&1
+    tail -3 "$out/fuzz_$ver.txt"
   fi
   if has multi; then
-    NCCL_NVLS_ENABLE=0 python3 -m pytest -q -s -p no:cacheprovider tests/test_device_map.py \
+    timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_device_map.py \
       tests/test_tensor_parallel.py tests/test_distributed.py > "$out/multi_$ver.txt" 2>&1
     grep -E "SYNCS|passed|failed|Error" "$out/multi_$ver.txt" | tail -40
   fi
   if has bench; then
-    if [ "$tag" = t523 ]; then args=("$@"); else args=(--cases "${BENCH_OLD_CASES:-tiny-llama,gpt2}"); fi
-    [ -n "${BENCH_TRACE:-}" ] && [ "$tag" = t523 ] && args+=(--trace "$out/traces")
+    args=("$@")
+    [ -n "${BENCH_TRACE:-}" ] && args+=(--trace "$out/traces")
     python3 -m transformers_async_stop.bench "${args[@]}" --json "$out/bench_$ver.json" \
       --markdown "$out/bench_$ver.md" --png "$out/bench_$ver.png" 2>"$out/bench_$ver.log" | tee "$out/bench_$ver.txt"
   fi

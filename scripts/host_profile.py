@@ -1,66 +1,203 @@
-"""Where the host time of one decode step goes, flag off vs on (vs upstream's DeferredStopCheck forced on CUDA).
+"""Where the host time of one decode step goes: stock transformers vs upstream's DeferredStopCheck vs the flag.
 
-For host-bound cases (GPU busy < 50%), any extra Python per step shows up in ms/token. Run on a CUDA machine:
-    python3 scripts/host_profile.py [gpt2|tiny-llama] [new_tokens]
-Prints ms/token per variant and the functions whose own time differs most between variants.
+    python3 scripts/host_profile.py [--cases tiny-static,tiny-eager,llama1b-static,llama1b-sample,llama1b-padded]
+                                    [--tokens 64] [--top 25] [--out DIR]
+
+For each case and variant: ms/token without a profiler (median of 5, N-token minus 1-token call), then one N-token call
+under cProfile. Printed per decode step: the wall time, the time blocked waiting for the GPU (the builtins that wait:
+event synchronize, `.item()`/`bool()` of a CUDA tensor), the host's own time (the difference), the cumulative time
+of the generate() building blocks (input preparation, mask creation, the compiled forward, processors, criteria,
+the stop check, this package's wrappers), and the functions with the most own time. cProfile inflates Python-heavy
+code; read the figures as shares, and the unprofiled ms/token as the truth.
 """
 
+from __future__ import annotations
+
+import argparse
+import contextlib
 import cProfile
+import importlib
+import os
 import pstats
+import statistics
 import sys
 import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
-from transformers_async_stop import bench
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+# the blocks of a decode step, matched against "file:function" of cProfile entries (cumulative time per step)
+BLOCKS = {
+    "prepare_inputs_for_generation": "generation/utils.py:prepare_inputs_for_generation",
+    "create_masks_for_generate": "masking_utils.py:create_masks_for_generate",
+    "compiled forward (dynamo)": "eval_frame.py:_fn",
+    "logits processors": "logits_process.py:__call__",
+    "stopping criteria": "stopping_criteria.py:__call__",
+    "_update_model_kwargs": "generation/utils.py:_update_model_kwargs_for_generation",
+    "StopCheck/Deferred __call__": "generation/utils.py:__call__",
+    "package: processors/criteria wrappers": "transformers_async_stop/step_lists.py:__call__",
+    "package: AsyncStop.record": "transformers_async_stop/controller.py:record",
+    "package: AsyncStop.join": "transformers_async_stop/controller.py:join",
+}
+WAITS = ("method 'synchronize'", "method 'item'", "method 'is_nonzero'", "_local_scalar_dense", "built-in method bool")
+
+
+class NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class ExtraSoftmax(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        return scores.softmax(-1)
 
 
 def build(name):
     torch.manual_seed(0)
-    if name == "gpt2":
-        return GPT2LMHeadModel(GPT2Config()).cuda().eval(), 50256
-    config = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=1, num_key_value_heads=1)
-    return LlamaForCausalLM(config).cuda().eval(), 0
+    if name == "tiny":
+        config = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=1, num_key_value_heads=1)
+        dtype = torch.float32
+    else:
+        config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256)
+        dtype = torch.bfloat16
+    with torch.device(DEV):
+        return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def case_kwargs(case, model, n):
+    batch = 8 if case.endswith("padded") else 1
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab - 1, (batch, 32), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if case.endswith("padded"):
+        for row in range(batch):
+            mask[row, : (row % 4) * 4] = 0
+    kw = dict(input_ids=ids.to(DEV), attention_mask=mask.to(DEV), max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
+              do_sample=case.endswith("sample"))
+    if "static" in case or case.startswith("llama1b"):
+        kw["cache_implementation"] = "static"
+    if case.startswith("tiny"):
+        kw["stopping_criteria"] = StoppingCriteriaList([NeverStop()])
+        kw["logits_processor"] = LogitsProcessorList([ExtraSoftmax()])
+    return kw
+
+
+@contextlib.contextmanager
+def variant(name):
+    if name in ("async", "imported"):
+        tas.apply()
+        yield {"async_stopping_criteria": name == "async"}
+        return
+    tas.unpatch()
+    try:
+        if name == "upstream":
+            cls = importlib.import_module("transformers.generation.utils").DeferredStopCheck
+            stored = vars(cls)["is_supported"]
+            original = cls.is_supported
+            cls.is_supported = staticmethod(
+                lambda device, cache, returned, is_assistant, *a, **k: not is_assistant
+                if torch.device(device).type == "cuda" else original(device, cache, returned, is_assistant, *a, **k))
+            try:
+                yield {}
+            finally:
+                cls.is_supported = stored
+        else:
+            yield {}
+    finally:
+        tas.apply()
+
+
+def timed(model, kw, flag):
+    torch.manual_seed(0)
+    sync()
+    start = time.perf_counter()
+    model.generate(**kw, **flag)
+    sync()
+    return time.perf_counter() - start
+
+
+def key_name(key):
+    filename, _, func = key
+    return f"{filename.replace(os.sep, '/')}:{func}"
+
+
+def report(case, name, kw, kw1, model, flag, n, top, out):
+    for _ in range(2):
+        timed(model, kw, flag), timed(model, kw1, flag)
+    t_n = [timed(model, kw, flag) for _ in range(5)]
+    t_1 = [timed(model, kw1, flag) for _ in range(5)]
+    ms = (statistics.median(t_n) - statistics.median(t_1)) / (n - 1) * 1e3
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    model.generate(**kw, **flag)
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    total = max(v[3] for v in stats.stats.values())
+    waits = sum(v[2] for k, v in stats.stats.items() if any(w in key_name(k) for w in WAITS))
+    per = 1e6 / n
+    print(f"\n=== {case} / {name}: {ms:.3f} ms/token unprofiled; profiled per step: wall {total * per:.0f} us, "
+          f"waiting {waits * per:.0f} us, host {(total - waits) * per:.0f} us")
+    for label, pattern in BLOCKS.items():
+        cum = sum(v[3] for k, v in stats.stats.items() if key_name(k).endswith(pattern.split(":")[1])
+                  and pattern.split(":")[0] in key_name(k))
+        if cum:
+            print(f"  {label:32s} {cum * per:8.1f} us/step (cumulative)")
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    for k, v in rows:
+        print(f"  {v[2] * per:8.1f} us own  {v[1] / n:5.1f} calls/step  {key_name(k)[-90:]}")
+    if out:
+        stats.dump_stats(os.path.join(out, f"{case}-{name}.prof"))
+    return ms
 
 
 def main():
-    name = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
-    n = int(sys.argv[2]) if len(sys.argv) > 2 else 100
-    model, pad = build(name)
-    ids = torch.randint(3, 200, (1, 16), device="cuda")
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-              pad_token_id=pad, cache_implementation="static")
-    variants = ["stock", "async"] + (["upstream"] if bench.upstream_available() else [])
-    stats = {}
-    for name_v in variants:
-        with bench.variant(name_v) as flag:
-            for _ in range(3):
-                model.generate(**kw, **flag)
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(5):
-                start = time.perf_counter()
-                model.generate(**kw, **flag)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            profile = cProfile.Profile()
-            profile.enable()
-            model.generate(**kw, **flag)
-            torch.cuda.synchronize()
-            profile.disable()
-        stats[name_v] = pstats.Stats(profile)
-        print(f"{name_v:9s} {sorted(times)[2] / n * 1e3:.3f} ms/token (median of 5, incl. prefill)")
-    own = {v: {f"{k[0].rsplit('/', 2)[-1]}:{k[2]}": (s.stats[k][1], s.stats[k][2]) for k in s.stats}
-           for v, s in stats.items()}
-    keys = set().union(*own.values())
-    rows = sorted(keys, key=lambda k: -abs(own["async"].get(k, (0, 0))[1] - own["stock"].get(k, (0, 0))[1]))
-    print(f"{'function':60s} " + " ".join(f"{v + ' us/step':>18s}" for v in variants))
-    for key in rows[:30]:
-        print(f"{key[:60]:60s} " + " ".join(f"{own[v].get(key, (0, 0))[1] / n * 1e6:18.1f}" for v in variants))
-    tas.apply()
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", default="tiny-static,tiny-eager,llama1b-static,llama1b-sample,llama1b-padded")
+    p.add_argument("--variants", default="stock,upstream,imported,async")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out")
+    args = p.parse_args()
+    import torch._dynamo.config as dc
+    dc.recompile_limit = 64
+    summary = []
+    models = {}
+    for case in args.cases.split(","):
+        base = case.split("-")[0]
+        if base not in models:
+            models.clear()
+            torch._dynamo.reset()
+            models[base] = build(base)
+        model = models[base]
+        kw, kw1 = case_kwargs(case, model, args.tokens), case_kwargs(case, model, 1)
+        for name in args.variants.split(","):
+            if name == "upstream" and not hasattr(importlib.import_module("transformers.generation.utils"),
+                                                  "DeferredStopCheck"):
+                continue
+            try:
+                with variant(name) as flag:
+                    summary.append((case, name, report(case, name, kw, kw1, model, flag, args.tokens, args.top,
+                                                       args.out)))
+            except Exception as exc:  # one failing case must not hide the others
+                print(f"{case}/{name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    print("\ncase              variant    ms/token")
+    for case, name, ms in summary:
+        print(f"{case:17s} {name:10s} {ms:8.3f}")
 
 
 if __name__ == "__main__":
