@@ -147,8 +147,9 @@ def always_on_wrappers(dev, steps):
     try:
         for name, fn in (("original", original), ("patched", patched)):
             def loop(n, fn=fn):
+                kwargs = {"attention_mask": mask, "use_cache": True}
                 for _ in range(n):
-                    fn(model, outputs, {"attention_mask": mask, "use_cache": True})
+                    kwargs = fn(model, outputs, kwargs)  # the mask grows by a column, as in generate()
             loop(100)
             print(f"{per_step_us(loop, steps, 3):8.2f} us  _update_model_kwargs_for_generation, {name}")
     finally:
