@@ -14,7 +14,8 @@ from parameterized import parameterized
 
 import transformers_async_stop as tas
 from transformers_async_stop import patching
-from transformers_async_stop.targets import TARGETS, Target, present_in
+from transformers_async_stop import verified
+from transformers_async_stop.targets import SHORTCUTS, TARGETS, Target, present_in
 
 from models import TRANSFORMERS_VERSION
 
@@ -107,6 +108,20 @@ class Drift(unittest.TestCase):
             params = inspect.signature(original.__init__ if inspect.isclass(original) else original).parameters
             missing = [p for p in target.params if p not in params]
             self.assertFalse(missing, f"{name} lost parameters {missing}: its replacement relies on them")
+
+    @parameterized.expand([(s.name, s) for s in SHORTCUTS])
+    def test_shortcut_sources_are_ones_it_was_checked_against(self, name, shortcut):
+        """On the releases a shortcut claims, every upstream source behind it has a digest listed in targets.py; a
+        release that changed one fails here (the shortcut is off there: the stock code runs, exact but slower)."""
+        expected = present_in(shortcut, TRANSFORMERS_VERSION)
+        found = verified.installed_digests(name)
+        unknown = {src: digest for src, digest in found.items() if digest not in shortcut.digests.get(src, {})}
+        if expected:
+            self.assertEqual(unknown, {}, f"{name}: sources not read for this release; review them and list "
+                                          "their digests in targets.SHORTCUTS (scripts/source_digests.py)")
+            self.assertTrue(verified.matches(name))
+        else:
+            self.assertFalse(verified.matches(name), f"{name} matches outside the releases it claims")
 
     def test_every_expected_target_is_patched(self):
         patched = {entry[0] for entry in patching._ORIGINALS.values()}

@@ -225,12 +225,12 @@ class AsyncStop:
                 # step's forward has already run here, and is undone like an extra step (`abort`)
                 self.overran = self._in_join
                 raise
-        view = self._views[slot]
+        value = self._views[slot].tolist()  # a Python int or list: cheaper to test than a numpy reduction
         if self._done_when == "unfinished":
-            return not view.any()
+            return not any(value)
         if self._done_when == "finished":
-            return bool(view)
-        return not view  # "running"
+            return bool(value)
+        return not value  # "running"
 
     def see_cache(self, cache, route_a: bool) -> None:
         """The loop's cache, once it exists (after prefill): the room it has, and whether it can give a step back."""

@@ -4,7 +4,7 @@ Each is built once per `generate()` call around the user's objects and does per 
 - `JoiningLogitsProcessors` is where the host reads the previous step's verdict (`AsyncStop.join`). In the extra
   step it returns the scores untouched, so no processor runs in a step the flag-off run never made;
 - `SideStreamCriteria` runs the criteria on the side stream; in the extra step it calls none of them;
-- `ExtraStepStreamer` (5.0-5.16 only) drops the extra step's token.
+- `ExtraStepStreamer` (4.57-5.16 only) drops the extra step's token.
 
 The parts of stock code they replicate are listed in `targets.SHORTCUTS` with the upstream sources they were
 checked against; where the installed source differs, the stock object is called instead (`verified.py`).
@@ -211,7 +211,7 @@ class ExtraStepCriteria(StoppingCriteriaList):
 
 # --- the streamer -------------------------------------------------------------------------------------------------
 class ExtraStepStreamer:
-    """5.0-5.16 only: stock code hands each token to the streamer as soon as it is made, after the step's logits
+    """4.57-5.16 only: stock code hands each token to the streamer as soon as it is made, after the step's logits
     processors, by which time the host has read the previous verdict: the extra step's token is dropped, every
     other one is delivered at the same moment as without the flag."""
 

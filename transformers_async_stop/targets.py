@@ -5,7 +5,9 @@ replacement relies on. At runtime targets are found by feature detection (`hasat
 the release ranges are documentation, and the drift test (`tests/test_patching.py`) checks them against the
 installed transformers so that a renamed or re-signed target fails loudly in CI instead of silently unpatching.
 
-Releases read for this table: 5.0.0, 5.17.0 and 5.23.0 (see ../shared/docs/sync-census.md for line numbers).
+Releases read for this table: 4.57.6 and the newest patch of every 5.x minor from 5.0 to 5.23 (presence and
+parameters of every target, and the source digests of every shortcut, were recorded for each of them; CI runs the
+drift test on all of them, see noxfile.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class Target:
     attr: str
     factory: str  # "submodule:function" in this package that builds the replacement from the original
     params: tuple[str, ...] = ()  # parameter names the replacement relies on (checked by the drift test)
-    present: str = "5.0+"  # releases it exists in: "5.0+", "5.0-5.16", "5.17+"
+    present: str = "4.57+"  # releases it exists in: "4.57+", "4.57-5.2", "5.17+" (release = major.minor)
     required: bool = True  # missing while expected -> logged as a warning (else: info)
     why: str = ""
     extra: dict = field(default_factory=dict)
@@ -50,7 +52,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "GenerationConfig._get_default_generation_params", _CFG, "GenerationConfig",
-        "_get_default_generation_params", "config:patched_defaults",
+        "_get_default_generation_params", "config:patched_defaults", present="5.0+",
         why="5.x resolves unset (None) fields from this table; ours resolves to False",
     ),
     Target(
@@ -71,7 +73,7 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "GenerationMixin._has_unfinished_sequences", _GEN, "GenerationMixin", "_has_unfinished_sequences",
         "generation:patched_has_unfinished_sequences", params=("this_peer_finished", "synced_gpus", "device"),
-        why="5.0-5.16 pass a device tensor here and read it each step; we read the previous step's verdict. "
+        why="4.57-5.16 pass a device tensor here and read it each step; we read the previous step's verdict. "
             "With synced_gpus (5.17+) the peers' all-reduce is deferred here too",
     ),
     Target(
@@ -83,7 +85,7 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "GenerationMixin._cache_dependant_input_preparation", _GEN, "GenerationMixin",
         "_cache_dependant_input_preparation", "inputs:patched_cache_dependant_input_preparation",
-        present="5.0-5.16", required=False, params=("input_ids", "inputs_embeds", "cache_position"),
+        present="4.57-5.2", required=False, params=("input_ids", "inputs_embeds", "cache_position"),
         why="`cache_position[-1] >= input_ids.shape[1]` reads a device tensor every step",
     ),
     Target(
@@ -91,7 +93,7 @@ TARGETS: tuple[Target, ...] = (
         "_update_model_kwargs_for_generation", "masking:patched_update_model_kwargs",
         params=("outputs", "model_kwargs"),
         why="tags each grown attention mask with a host-side summary of its padding; shows the deferred loop its "
-            "cache after the first forward (5.0-5.16 create it there)",
+            "cache after the first forward (4.57-5.16 create it there)",
     ),
     Target(
         "GenerationMixin._beam_search", _GEN, "GenerationMixin", "_beam_search", "beam:patched_beam_search",
@@ -152,7 +154,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "masking_utils._ignore_bidirectional_mask_sdpa", _MASK, None, "_ignore_bidirectional_mask_sdpa",
-        "masking:patched_ignore_mask", params=("padding_mask",),
+        "masking:patched_ignore_mask", present="5.0+", params=("padding_mask",),
         why="same read, for bidirectional masks built from a tagged mask",
     ),
 )
@@ -185,6 +187,7 @@ class Shortcut:
     digests: dict  # source -> {digest: releases}
     used_by: str
     why: str
+    present: str = "4.57+"  # the releases it is taken on (the drift test checks the digests there)
 
 
 _LP = "transformers.generation.logits_process"
@@ -263,5 +266,6 @@ SHORTCUTS: tuple[Shortcut, ...] = (
         "static_mask.MaskPlan",
         why="about twenty kernels and a long Python chain per decode step build a mask that is "
             "`(arange(cache length) <= offset) & padding`: two kernels",
+        present="5.17+",
     ),
 )
