@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import unittest
 
+import pytest
 import torch
 from parameterized import parameterized
 from transformers import (
@@ -198,6 +199,7 @@ class TightUserStaticCache(unittest.TestCase):
         return out, after, cache
 
     @parameterized.expand([(name,) for name in TIGHT])
+    @pytest.mark.core
     def test_tight_user_static_cache_matches_stock(self, name):
         self.model, self.ids = issue_model(), issue_ids()
         self.kw = self._kwargs(name)
@@ -226,6 +228,7 @@ class SubclassedCriteriaKeepTheirCall(unittest.TestCase):
         # no override needed: a subclass whose own max_length is below the call's
         ("max_length_below_the_calls", 4 + 3, 63, None),
     ])
+    @pytest.mark.core
     def test_max_length_subclass_stops_where_stock_stops(self, _, max_length, token, eos):
         model, ids = issue_model(), issue_ids()
 
@@ -245,6 +248,7 @@ class SubclassedCriteriaKeepTheirCall(unittest.TestCase):
         ("twelve_ids", list(range(42, 52))),  # 10+ ids: the count at which torch.isin starts sorting
         ("three_ids", [42]),
     ])
+    @pytest.mark.core
     def test_eos_subclass_override_is_called(self, _, fillers):
         """EOS ids 9 (1st new token) and 13 (5th) plus fillers never made; the override ignores EOS before total
         length 7, so stock stops at 13."""
@@ -286,6 +290,7 @@ class RngGivenBackWithoutSampling(unittest.TestCase):
     MAX_NEW = 10
 
     @parameterized.expand([(name,) for name in RANDOMNESS])
+    @pytest.mark.core
     def test_rng_after_greedy_call_matches_stock(self, name):
         family, overrides, train, noise, kw = RANDOMNESS[name]
         model = build(family, **overrides)
@@ -386,6 +391,7 @@ class ExceptionMidGeneration(unittest.TestCase):
         ("static", "llama", {}, "static", {}),
         ("full_dynamic_beam_search", "llama", {}, "config", dict(num_beams=2)),
     ])
+    @pytest.mark.core
     def test_user_cache_left_as_stock_leaves_it(self, _, family, overrides, kind, kw):
         model = build(family, **overrides)
         ids, mask = prompt(batch=2)

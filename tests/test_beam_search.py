@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import unittest
+
+import pytest
 import warnings
 
 import torch
@@ -87,6 +89,8 @@ class BeamSearchMatchesStock(unittest.TestCase):
         assert_same(self, ref, out)
         self.assertEqual(forwards, ref_forwards + 1)
 
+    @pytest.mark.core
+
     def test_max_length_stop_runs_no_extra_step(self):
         model = build("llama")
         ids, mask = prompt(batch=2)
@@ -97,6 +101,8 @@ class BeamSearchMatchesStock(unittest.TestCase):
         assert_same(self, ref, out)
         self.assertEqual(ref_forwards, MAX_NEW)
         self.assertEqual(forwards, MAX_NEW)
+
+    @pytest.mark.core
 
     def test_user_cache_is_returned_as_stock_leaves_it(self):
         model = build("llama")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import unittest
 
+import pytest
+
 import torch
 from parameterized import parameterized
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
@@ -109,6 +111,7 @@ class FlagOnEqualsStock(unittest.TestCase):
             self.assertTrue(stopped_early, "scenario meant to stop early did not")
 
     @parameterized.expand([(f,) for f in FAMILIES])
+    @pytest.mark.core
     def test_plain_tensor_output_matches_stock(self, family):
         model = build(family)
         ids, mask = prompt()
@@ -135,6 +138,7 @@ class AttentionsMatchStock(unittest.TestCase):
 
 class CachesMatchStock(unittest.TestCase):
     @parameterized.expand([("llama",), ("qwen2",)])
+    @pytest.mark.core
     def test_static_cache_rolled_back(self, family):
         model = build(family)
         ids, mask = prompt()
@@ -146,6 +150,7 @@ class CachesMatchStock(unittest.TestCase):
         assert_same(self, ref, on)
 
     @parameterized.expand([("llama",), ("gpt2",)])
+    @pytest.mark.core
     def test_user_cache_rolled_back(self, family):
         model = build(family)
         ids, mask = prompt()
@@ -189,6 +194,8 @@ if __name__ == "__main__":
 class SlidingWindowCache(unittest.TestCase):
     """A window smaller than the generation, so the cache overwrites state: exact on every release, deferred where
     the cache can record its past (5.17+), stock with one warning where it cannot and the cache is returned."""
+
+    @pytest.mark.core
 
     def test_returned_sliding_window_cache_matches_stock(self):
         import warnings

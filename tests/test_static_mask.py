@@ -8,6 +8,8 @@ Every decode-step mask the plan returns is compared, inside the run, with what s
 from __future__ import annotations
 
 import unittest
+
+import pytest
 from unittest import mock
 
 import torch
@@ -36,6 +38,7 @@ def _same_mask(test, ours, ref):
 
 class StaticDecodeMaskEqualsStock(unittest.TestCase):
     @parameterized.expand([(family, padded) for family in ("llama", "qwen2", "mistral") for padded in (False, True)])
+    @pytest.mark.core
     def test_each_step_mask_and_the_output_equal_stock(self, family, padded):
         model = build(family)
         ids, mask = prompt(batch=3, left_pad=padded)

@@ -13,6 +13,8 @@ import io
 import threading
 import unittest
 
+import pytest
+
 import torch
 from parameterized import parameterized
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer, TextStreamer
@@ -192,6 +194,7 @@ class BatchedCustomStreamer(unittest.TestCase):
     """A custom `BaseStreamer` is not limited to one row in stock: rows that stop early are streamed as padding."""
 
     @parameterized.expand([(f,) for f in ("llama", "gpt2")])
+    @pytest.mark.core
     def test_put_calls_equal_stock_with_rows_stopping_at_different_steps(self, family):
         model = build(family)
         ids, mask = prompt(batch=3, left_pad=True)
