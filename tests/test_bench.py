@@ -143,8 +143,9 @@ class Pieces(unittest.TestCase):
         def count_syncs(model, kwargs, flag, device):  # stock: one sync per step; async: none after prefill
             return (1 if flag.get("async_stopping_criteria") else kwargs["max_new_tokens"]), 42.0
 
-        def gpu_time_ms(model, kwargs, flag, device):
-            return 0.25 * kwargs["max_new_tokens"]
+        def gpu_timeline(model, kwargs, flag, device):
+            n = kwargs["max_new_tokens"]
+            return {"busy": 0.25 * n, "launch_gaps": 0.01 * n, "starved": 0.1 * n}
 
         def timed_ms(model, kwargs, flag, device):  # no clock: 1 ms per token, 0.5 with the flag
             return (0.5 if flag.get("async_stopping_criteria") else 1.0) * kwargs["max_new_tokens"]
@@ -153,13 +154,15 @@ class Pieces(unittest.TestCase):
         device = torch.device("cpu")
         model = tiny.build(device, torch.float32)
         run = cases.Run(tiny, "eager", 1, "greedy", 6, "fp32")
-        with mock.patch.object(gpu, "count_syncs", count_syncs), mock.patch.object(gpu, "gpu_time_ms", gpu_time_ms), \
+        with mock.patch.object(gpu, "count_syncs", count_syncs), mock.patch.object(gpu, "gpu_timeline", gpu_timeline), \
                 mock.patch.object(measure, "timed_ms", timed_ms), \
                 mock.patch.object(measure.Ctx, "cuda", new=property(lambda self: True)):
             record = measure.measure_run(model, run, variants.Selection(timed, True, []), 2, device,
                                          lambda *a, **k: None)
         self.assertTrue(is_patched())
         self.assertAlmostEqual(record["floor_ms_per_token"], 0.25)
+        self.assertAlmostEqual(record["async_gaps_ms"]["launch_gaps"], 0.01)
+        self.assertAlmostEqual(record["async_gaps_ms"]["starved"], 0.1)
         self.assertEqual(record["variants"]["async"]["syncs_per_step"], 0)
         self.assertEqual(record["variants"]["stock"]["syncs_per_step"], 1)
         self.assertEqual(record["variants"]["async"]["peak_mem_mib"], 42.0)

@@ -43,8 +43,16 @@ def count_syncs(model, kwargs: dict, flag: dict, device: torch.device) -> tuple[
     return sum("synchroniz" in str(w.message) for w in caught), peak
 
 
-def gpu_time_ms(model, kwargs: dict, flag: dict, device: torch.device) -> float:
-    """Device time of one call: every CUDA-side event (kernels, copies, memsets) the profiler recorded."""
+# An idle gap shorter than this between two device operations is the launch latency of back-to-back kernels
+# (inside a CUDA graph, or queued well ahead); a longer one means the device had nothing queued: it waited for the
+# host. The split is a reading aid, not a hard boundary.
+LAUNCH_GAP_US = 10.0
+
+
+def gpu_timeline(model, kwargs: dict, flag: dict, device: torch.device) -> dict:
+    """Device time of one call, in ms: `busy` sums every CUDA-side event (kernels, copies, memsets) the profiler
+    recorded (the floor); over the union of those events' intervals, `launch_gaps` sums the idle gaps shorter than
+    LAUNCH_GAP_US and `starved` the longer ones."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -53,8 +61,20 @@ def gpu_time_ms(model, kwargs: dict, flag: dict, device: torch.device) -> float:
     with _quiet_profiler(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         call(model, kwargs, flag)
         torch.cuda.synchronize(device)
-    total_us = sum(evt.time_range.elapsed_us() for evt in prof.events() if evt.device_type == DeviceType.CUDA)
-    return total_us / 1e3
+    spans = sorted((evt.time_range.start, evt.time_range.end) for evt in prof.events()
+                   if evt.device_type == DeviceType.CUDA)
+    busy = sum(end - start for start, end in spans)
+    launch_gaps = starved = 0.0
+    reach = None  # the end of the union of the intervals seen so far
+    for start, end in spans:
+        if reach is not None and start > reach:
+            gap = start - reach
+            if gap < LAUNCH_GAP_US:
+                launch_gaps += gap
+            else:
+                starved += gap
+        reach = end if reach is None else max(reach, end)
+    return {"busy": busy / 1e3, "launch_gaps": launch_gaps / 1e3, "starved": starved / 1e3}
 
 
 @contextlib.contextmanager

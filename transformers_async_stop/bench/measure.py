@@ -138,12 +138,15 @@ def measure_run(model, run: Run, sel: Selection, reps: int, device: torch.device
                 t_1[v].append(timed_ms(model, ctx.kw_1, flag, device))
     per_rep = {v: [per_step(a, b, ctx.n) for a, b in zip(t_n[v], t_1[v])] for v in sel.timed}
 
-    floor = None
+    floor = gaps = None
     if sel.floor:
         progress(f"{run.label} floor (profiler)", count=False)
         with variant("async") as flag:
-            floor = per_step(gpu.gpu_time_ms(model, ctx.kw_n, flag, device),
-                             gpu.gpu_time_ms(model, ctx.kw_1, flag, device), ctx.n)
+            line_n = gpu.gpu_timeline(model, ctx.kw_n, flag, device)
+            line_1 = gpu.gpu_timeline(model, ctx.kw_1, flag, device)
+        floor = per_step(line_n["busy"], line_1["busy"], ctx.n)
+        # where the async run's device time per step goes besides the kernels themselves
+        gaps = {key: per_step(line_n[key], line_1[key], ctx.n) for key in ("launch_gaps", "starved")}
 
     record = {}
     if any(m.applies(v, ctx) for m in METRICS for v in sel.timed):
@@ -181,7 +184,7 @@ def measure_run(model, run: Run, sel: Selection, reps: int, device: torch.device
     if "async" in record:
         record["async"]["vs_upstream"] = found.get("async_vs_upstream", {}).get("value") if ctx.cuda else None
     exact = [record[v]["exact"] for v in sel.timed if v != "stock"]
-    return dict(run_fields(run), order=orders, variants=record, floor_ms_per_token=floor,
+    return dict(run_fields(run), order=orders, variants=record, floor_ms_per_token=floor, async_gaps_ms=gaps,
                 ratios=found if ctx.cuda else None, exact=all(exact) if exact else None,
                 stock_repeatable=stock_repeatable, error=None)
 
@@ -192,7 +195,8 @@ def run_fields(run: Run) -> dict:
 
 
 def error_record(run: Run, exc: BaseException) -> dict:
-    return dict(run_fields(run), order=[], variants={}, floor_ms_per_token=None, ratios=None, exact=None,
+    return dict(run_fields(run), order=[], variants={}, floor_ms_per_token=None, async_gaps_ms=None, ratios=None,
+                exact=None,
                 stock_repeatable=None, error=f"{type(exc).__name__}: {exc}")
 
 

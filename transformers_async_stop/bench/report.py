@@ -170,6 +170,27 @@ def ratio_rows(runs: list[dict]) -> list[tuple[str, ...]]:
     return rows
 
 
+GAP_TITLES = ("run", "async ms/tok", "kernels (floor)", "launch gaps", "starved")
+
+
+def gap_rows(runs: list[dict]) -> list[tuple[str, ...]]:
+    """Where the async run's time per step goes on the device (CUDA): kernels, the short idle gaps between
+    back-to-back kernels, and the long ones where the device had nothing queued (it waited for the host)."""
+    rows = []
+    for r in runs:
+        gaps, async_ = r.get("async_gaps_ms"), r.get("variants", {}).get("async")
+        if not gaps or not async_:
+            continue
+        rows.append((r["label"], _fmt(async_["ms_per_token"], ".3f"), _fmt(r["floor_ms_per_token"], ".3f"),
+                     _fmt(gaps["launch_gaps"], ".3f"), _fmt(gaps["starved"], ".3f")))
+    return rows
+
+
+GAP_LEGEND = ("device time per step of the async run (ms, from a CUDA-only profile): kernels = the floor; launch "
+              "gaps = idle gaps under 10 us between device operations (kernel launch latency, also inside CUDA "
+              "graphs); starved = longer idle gaps, when nothing was queued (the device waited for the host)")
+
+
 def text_report(result: dict) -> str:
     h, runs = result["header"], result["runs"]
     cuda = h["gpu_figures"]
@@ -183,6 +204,9 @@ def text_report(result: dict) -> str:
         lines += ["", "ratios: baseline ms / variant ms within each rep, median over reps (> 1: the variant is "
                       "faster); in brackets the quartiles over reps",
                   _aligned([("run",) + tuple(t for _, t in RATIO_TITLES)] + rows)]
+    rows = gap_rows(runs)
+    if rows:
+        lines += ["", GAP_LEGEND, _aligned([GAP_TITLES] + rows)]
     return "\n".join(lines)
 
 
@@ -203,6 +227,9 @@ def markdown(result: dict) -> str:
         lines += ["", "Ratios (baseline ms / variant ms within each rep, median over reps; in brackets the "
                   "quartiles over reps):", "",
                   _md_table(("run",) + tuple(t for _, t in RATIO_TITLES), rows)]
+    rows = gap_rows(runs)
+    if rows:
+        lines += ["", GAP_LEGEND + ".", "", _md_table(GAP_TITLES, rows)]
     lines += ["", METHOD + " " + (LEGEND if cuda else "exact: the variant's output sequences equal stock's."), ""]
     return "\n".join(lines)
 
