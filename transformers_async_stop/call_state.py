@@ -19,15 +19,24 @@ import torch
 class CallState:
     """What the package's wrappers share during one `generate()` call."""
 
-    __slots__ = ("user_cache", "slice_inputs", "fed_mask", "ctl", "beam", "model")
+    __slots__ = ("user_cache", "slice_inputs", "fed_mask", "ctl", "beam", "model", "kwargs_update", "assisted",
+                 "drafting", "draft")
 
     def __init__(self, model, user_cache: bool, slice_inputs: bool):
+        outer = CALL.get()
         self.model = model
         self.user_cache = user_cache  # the caller passed `past_key_values`: the cache outlives the call
         self.slice_inputs = slice_inputs  # no user `cache_position`: inputs.py may slice by host lengths
         self.fed_mask = None  # weakref to the tagged mask generate() feeds the model now (masking.py)
         self.ctl = None  # the AsyncStop controller of a deferred decoding loop
         self.beam = None  # the BeamLag of a deferred beam search
+        self.kwargs_update = None  # the deferred loop's `_update_model_kwargs_for_generation` (kwargs_update.py)
+        # assisted decoding (assisted/): the call's per-call state, and the draft run its assistant's generate() is
+        # inside of right now (set only around that call, so a generate() in a processor or criterion gets none)
+        self.assisted = None
+        self.drafting = None
+        # this call is an assistant's draft inside a deferred assisted call: that call's DraftRun
+        self.draft = outer.drafting if outer is not None else None
 
 
 CALL: contextvars.ContextVar[CallState | None] = contextvars.ContextVar("transformers_async_stop_call",

@@ -32,6 +32,7 @@ import torch
 
 from . import static_mask
 from .cache_rollback import loop_cache
+from .kwargs_update import KwargsUpdate
 from .call_state import CALL, compiling
 from .config import _mark, force_deferred
 
@@ -105,6 +106,9 @@ def _tag_of(tensor):
     return None
 
 
+_LEAN_KWARGS = frozenset(("is_encoder_decoder", "num_new_tokens"))
+
+
 def _worth_it(tensor: torch.Tensor) -> bool:
     # Reading a CPU tensor costs nothing; keep the stock path there unless the deferred path is forced (tests).
     return tensor.device.type != "cpu" or force_deferred()
@@ -113,8 +117,12 @@ def _worth_it(tensor: torch.Tensor) -> bool:
 def patched_update_model_kwargs(original, target):
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         before = model_kwargs.get("attention_mask")
-        updated = original(self, outputs, model_kwargs, *args, **kwargs)
         state = CALL.get()
+        lean = state.kwargs_update if state is not None and state.ctl is not None else None
+        if lean is not None and not args and kwargs.get("num_new_tokens", 1) == 1 and set(kwargs) <= _LEAN_KWARGS:
+            updated = lean(outputs, model_kwargs, kwargs.get("is_encoder_decoder", False))
+        else:
+            updated = original(self, outputs, model_kwargs, *args, **kwargs)
         if state is None or not isinstance(updated, dict):
             return updated
         ctl = state.ctl
@@ -124,6 +132,8 @@ def patched_update_model_kwargs(original, target):
             ctl.see_cache(cache, ctl.route_a)
             if cache is not None and static_mask.register(self, cache, ctl.device):
                 ctl.cleanups.append(lambda: static_mask.release(cache))
+            state.kwargs_update = KwargsUpdate.for_model(self)
+            ctl.cleanups.append(lambda: setattr(state, "kwargs_update", None))
         after = updated.get("attention_mask")
         if (
             isinstance(before, torch.Tensor)
