@@ -31,16 +31,24 @@ class StockPathWithOneWarning(unittest.TestCase):
         self.assertIn(mode_words, str(caught[0].message))
         self.assertListEqual(ref.tolist(), out.tolist())
 
-    def test_assisted_decoding(self):
+    def test_assisted_decoding_with_a_user_criterion(self):
+        # assisted decoding itself is deferred (tests/test_assisted.py); a user criterion keeps it stock (phase 1)
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class Never(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
         model, assistant = build("llama"), build("llama", seed=5)
         ids, mask = prompt(batch=1)
         self.assert_stock_with_warning(model, "assisted decoding", ids, attention_mask=mask,
-                                       assistant_model=assistant, max_new_tokens=8, pad_token_id=PAD)
+                                       assistant_model=assistant, max_new_tokens=8, pad_token_id=PAD,
+                                       stopping_criteria=StoppingCriteriaList([Never()]))
 
-    def test_prompt_lookup(self):
+    def test_prompt_lookup_with_a_forbidding_processor(self):
         model = build("llama")
         ids, mask = prompt(batch=1)
-        self.assert_stock_with_warning(model, "assisted decoding", ids, attention_mask=mask,
+        self.assert_stock_with_warning(model, "prompt lookup", ids, attention_mask=mask, no_repeat_ngram_size=3,
                                        prompt_lookup_num_tokens=2, max_new_tokens=8, pad_token_id=PAD)
 
 class OtherDevices(unittest.TestCase):

@@ -31,8 +31,10 @@ def warn_stock(reason: str, stacklevel: int = 4) -> None:
 def runs_stock(generation_config, device, why_stock) -> bool:
     """Whether a decoding method must run its stock loop: the flag is off, the loop is an assistant's, the device is
     synchronous, or the method's own `why_stock()` gives a reason (warned once; "" means silently)."""
-    if not flag_of(generation_config) or getattr(generation_config, "is_assistant", False):
-        return True  # an assistant's own loop inside assisted decoding runs stock silently: the caller warned
+    if not flag_of(generation_config):
+        return True
+    if getattr(generation_config, "is_assistant", False) and not _drafts_for_a_deferred_call():
+        return True  # an assistant's own loop inside stock assisted decoding runs stock silently: the caller warned
     if device.type != "cuda" and not force_deferred():
         return True  # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
     reason = why_stock()
@@ -41,6 +43,14 @@ def runs_stock(generation_config, device, why_stock) -> bool:
     if reason:
         warn_stock(reason, stacklevel=5)
     return True
+
+
+def _drafts_for_a_deferred_call() -> bool:
+    """This loop is an assistant's draft inside a deferred assisted call (assisted/draft.py): it runs deferred too."""
+    from .call_state import CALL
+
+    state = CALL.get()
+    return state is not None and state.draft is not None
 
 
 def force_deferred() -> bool:

@@ -43,18 +43,6 @@ def patched_generate(original, target):
     return _mark(generate, original)
 
 
-def stock_with_warning(original, target):
-    mode = target.extra["mode"]
-
-    def decoding_method(self, *args, **kwargs):
-        config = kwargs.get("generation_config")
-        if config is not None and flag_of(config) and not getattr(config, "is_assistant", False):
-            warn_stock(f"{mode} is not made async yet")
-        return original(self, *args, **kwargs)
-
-    return _mark(decoding_method, original)
-
-
 def patched_padding_warning(original, target):
     def warn_if_padding_and_no_attention_mask(self, input_ids, attention_mask, *args, **kwargs):
         if not compiling():
@@ -122,21 +110,26 @@ def patched_sample(original, target):
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer=None, **model_kwargs):
         state = CALL.get()
+        # an assistant's draft inside a deferred assisted call (assisted/draft.py): its own controller and criteria
+        draft = state.draft if state is not None else None
         if state is None or state.ctl is not None or runs_stock(
                 generation_config, input_ids.device,
-                lambda: _why_stock(self, generation_config, synced_gpus, model_kwargs)):
+                lambda: _why_stock(self, generation_config, synced_gpus, model_kwargs) if draft is None
+                else draft.why_stock(_why_stock(self, generation_config, synced_gpus, model_kwargs))):
             # no generate() of ours around this call (a direct `_sample` call), or one loop already runs in it
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
         route_a = _route_a()
-        ctl = state.ctl = AsyncStop(
+        ctl = state.ctl = (AsyncStop if draft is None else draft.controller)(
             input_ids, stopping_criteria.max_length, done_when="unfinished" if route_a else "finished",
             streamer=streamer if route_a else None,
             cache_returned=cache_is_returned(generation_config, model_kwargs), route_a=route_a,
         )
         if synced_gpus:
             ctl.peers = PeerVerdict(input_ids.device)
+        if draft is not None:
+            stopping_criteria = draft.criteria(stopping_criteria)
         loop_streamer = streamer if (route_a or streamer is None) else ExtraStepStreamer(streamer, ctl)
         try:
             outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),

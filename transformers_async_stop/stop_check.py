@@ -34,8 +34,9 @@ def patched_deferred_class(original, target):
             ctl = active_controller()
             if ctl is None:
                 return original.is_supported(device, cache, cache_is_returned, is_assistant, *args, **kwargs)
-            # our `_sample` wrapper already checked the cache; an assistant never gets a controller
-            return not is_assistant
+            # our `_sample` wrapper already checked the cache; an assistant gets a controller only as the draft of a
+            # deferred assisted call (assisted/draft.py)
+            return not is_assistant or getattr(ctl, "drafting", False)
 
         def __init__(self, input_ids, max_length, cache, cache_is_returned, streamer=None, *args, **kwargs):
             ctl = self._ctl = active_controller()

@@ -113,11 +113,6 @@ TARGETS: tuple[Target, ...] = (
         why="keeps the finished beams of the step the flag-off run stopped at, through the extra step",
     ),
     Target(
-        "GenerationMixin._assisted_decoding", _GEN, "GenerationMixin", "_assisted_decoding",
-        "generation:stock_with_warning", required=False, extra={"mode": "assisted decoding"},
-        why="not made async yet: stock path, one warning",
-    ),
-    Target(
         "PreTrainedModel.warn_if_padding_and_no_attention_mask", "transformers.modeling_utils", "PreTrainedModel",
         "warn_if_padding_and_no_attention_mask", "generation:patched_padding_warning",
         params=("input_ids", "attention_mask"),
@@ -157,6 +152,32 @@ TARGETS: tuple[Target, ...] = (
         "masking:patched_ignore_mask", present="5.0+", params=("padding_mask",),
         why="same read, for bidirectional masks built from a tagged mask",
     ),
+    # --- assisted decoding and prompt lookup (assisted/) -----------------------------------------------------
+    Target(
+        "GenerationMixin._assisted_decoding", _GEN, "GenerationMixin", "_assisted_decoding",
+        "assisted:patched_assisted_decoding",
+        params=("input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer"),
+        why="the verify loop reads the device several times per round; ours reads once per round "
+            "(ported per release: `SHORTCUTS` 'assisted decoding loop (...)')",
+    ),
+    Target(
+        "GenerationMixin._get_candidate_generator", _GEN, "GenerationMixin", "_get_candidate_generator",
+        "assisted:patched_get_candidate_generator",
+        params=("generation_config", "input_ids", "inputs_tensor", "logits_processor", "model_kwargs"),
+        why="hands the stock loop the candidate generator the deferred path already built (its constructor runs once)",
+    ),
+    Target(
+        "GenerationMixin._prepare_special_tokens", _GEN, "GenerationMixin", "_prepare_special_tokens",
+        "assisted.draft:patched_prepare_special_tokens",
+        params=("generation_config", "kwargs_has_attention_mask", "device"),
+        why="three blocking H2D copies and two reads in every round's assistant generate(); made once per call there",
+    ),
+    Target(
+        "GenerationMixin._get_logits_processor", _GEN, "GenerationMixin", "_get_logits_processor",
+        "assisted.draft:patched_get_logits_processor", params=("generation_config", "encoder_input_ids"),
+        why="5.21+ reads `(encoder_input_ids < 0).any()` in every round's assistant generate(), to gate encoder "
+            "processors the draft does not use",
+    ),
 )
 
 
@@ -193,6 +214,7 @@ class Shortcut:
 _LP = "transformers.generation.logits_process"
 _SC = "transformers.generation.stopping_criteria"
 _CU = "transformers.cache_utils"
+_CG = "transformers.generation.candidate_generator"
 
 SHORTCUTS: tuple[Shortcut, ...] = (
     Shortcut(
@@ -246,12 +268,12 @@ SHORTCUTS: tuple[Shortcut, ...] = (
             "Cache.get_mask_sizes", "Cache.get_query_offset", "Cache.get_seq_length", "StaticLayer.get_mask_sizes",
             "StaticLayer.get_seq_length")),
         {
-            f"{_MASK}:create_masks_for_generate": {"89a12bcbea32": "5.17.0-5.23.0"},
+            f"{_MASK}:create_masks_for_generate": {"89a12bcbea32": "5.15.1-5.23.0"},
             f"{_MASK}:create_causal_mask": {
                 "08e44eae3326": "5.17.0-5.19.0", "bd4450cc85d6": "5.20.2-5.22.2", "341ee68974b1": "5.23.0"},
-            f"{_MASK}:_preprocess_mask_arguments": {"df23eb733c6e": "5.17.0-5.23.0"},
+            f"{_MASK}:_preprocess_mask_arguments": {"df23eb733c6e": "5.14.1-5.23.0"},
             f"{_MASK}:sdpa_mask": {
-                "acbbdd247878": "5.17.0-5.18.0", "2a073d7981cd": "5.19.0", "a30991b130d8": "5.20.2-5.23.0"},
+                "acbbdd247878": "5.15.1-5.18.0", "2a073d7981cd": "5.19.0", "a30991b130d8": "5.20.2-5.23.0"},
             f"{_MASK}:prepare_padding_mask": {"ad0de58050a9": "5.0.0-5.23.0"},
             f"{_MASK}:padding_mask_function": {"5682e7f76fc8": "4.57.6-5.23.0"},
             f"{_MASK}:causal_mask_function": {"e8566f1e2978": "4.57.6-5.23.0"},
@@ -267,5 +289,120 @@ SHORTCUTS: tuple[Shortcut, ...] = (
         why="about twenty kernels and a long Python chain per decode step build a mask that is "
             "`(arange(cache length) <= offset) & padding`: two kernels",
         present="5.17+",
+    ),
+    Shortcut(
+        "update model kwargs", (f"{_GEN}:GenerationMixin._update_model_kwargs_for_generation",),
+        {f"{_GEN}:GenerationMixin._update_model_kwargs_for_generation": {"9d022aaeb64d": "5.5.4-5.23.0"}},
+        "kwargs_update.KwargsUpdate",
+        why="per step, `arange(1).view(...) + last + 1` and `new_ones` for one new position: `last + 1` and a "
+            "column of ones made once per call",
+        present="5.5+",
+    ),
+    # --- assisted decoding and prompt lookup (assisted/) -----------------------------------------------------
+    Shortcut(
+        "assisted decoding loop (4.57)",
+        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
+        {f"{_GEN}:GenerationMixin._assisted_decoding": {"6227f5c094f8": "4.57.6"},
+         f"{_GEN}:_speculative_sampling": {"f51c59e9372d": "4.57.6-5.13.1"},
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"984a60ce5cd1": "4.57.6-5.1.0"}},
+        "assisted.loop.run", present="4.57-4.57",
+        why="the verify loop, ported: acceptance on the device, one read per round",
+    ),
+    Shortcut(
+        "assisted decoding loop (5.0-5.1)",
+        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
+        {f"{_GEN}:GenerationMixin._assisted_decoding": {"9eeeb5007e6d": "5.0.0-5.1.0"},
+         f"{_GEN}:_speculative_sampling": {"f51c59e9372d": "4.57.6-5.13.1"},
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"984a60ce5cd1": "4.57.6-5.1.0"}},
+        "assisted.loop.run", present="5.0-5.1",
+        why="the verify loop, ported: acceptance on the device, one read per round",
+    ),
+    Shortcut(
+        "assisted decoding loop (5.16-5.17)",
+        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
+        {f"{_GEN}:GenerationMixin._assisted_decoding": {"d627364536c0": "5.15.1-5.17.0"},
+         f"{_GEN}:_speculative_sampling": {"b082a94a87a4": "5.15.1-5.17.0"},
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"eb47726dea03": "5.16.1-5.23.0"}},
+        "assisted.loop.run", present="5.16-5.17",
+        why="the verify loop, ported: acceptance on the device, one read per round",
+    ),
+    Shortcut(
+        "assisted decoding loop (5.23)",
+        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
+        {f"{_GEN}:GenerationMixin._assisted_decoding": {"34ef66021aba": "5.23.0"},
+         f"{_GEN}:_speculative_sampling": {"51a96b7a06b5": "5.18.0-5.23.0"},
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"eb47726dea03": "5.16.1-5.23.0"}},
+        "assisted.loop.run", present="5.23+",
+        why="the verify loop, ported: acceptance on the device, one read per round",
+    ),
+    Shortcut(
+        "MaxTimeCriteria.__call__", (f"{_SC}:MaxTimeCriteria.__call__",),
+        {f"{_SC}:MaxTimeCriteria.__call__": {
+            "a7d9e18db6ef": "4.57.6-5.15.1", "3e0887a238f5": "5.16.1-5.22.2", "feecb4dd2011": "5.23.0"}},
+        "assisted.loop.FoldedCriteria",
+        why="a host clock wrapped in a device bool: decided on the host in the round's verdict",
+    ),
+    Shortcut(
+        "assistant confidence on the device", (f"{_SC}:ConfidenceCriteria.__call__",),
+        {f"{_SC}:ConfidenceCriteria.__call__": {
+            "4078221af7a9": "4.57.6-5.15.1", "b8a38e104c56": "5.16.1-5.22.2", "99ef45ddf886": "5.23.0"}},
+        "assisted.draft.DeviceConfidence",
+        why="`.item()` of the drafted token's probability after every drafted token",
+    ),
+    Shortcut(
+        "assistant special tokens once per call", (f"{_GEN}:GenerationMixin._prepare_special_tokens",),
+        {f"{_GEN}:GenerationMixin._prepare_special_tokens": {
+            "539f781d2589": "4.57.6", "3487cfb12e7a": "5.0.0", "8020f3434a9d": "5.1.0-5.3.0",
+            "dad62a7f66d6": "5.4.0-5.12.1", "a0570398eeff": "5.13.1-5.23.0"}},
+        "assisted.draft.patched_prepare_special_tokens",
+        why="three blocking H2D copies and two reads in every round's assistant generate(), same tensors each time",
+    ),
+    Shortcut(
+        "draft probabilities in the round's copy",
+        (f"{_CG}:AssistedCandidateGenerator._generate_candidates",),
+        {f"{_CG}:AssistedCandidateGenerator._generate_candidates": {
+            "09ade19b3e20": "4.57.6", "031a65e6368b": "5.0.0-5.2.0", "b0ce23063e6b": "5.3.0-5.22.2",
+            "a211c46eaae7": "5.23.0"}},
+        "assisted.draft._generate_candidates",
+        why="with scikit-learn, a CPU-indexed gather (an H2D copy) and `p.tolist()` every round",
+    ),
+    Shortcut(
+        "draft logits processors without the encoder-ids check", (f"{_GEN}:GenerationMixin._get_logits_processor",),
+        {f"{_GEN}:GenerationMixin._get_logits_processor": {"1cd36a560e01": "5.21.1-5.22.2", "aecfcb65c619": "5.23.0"}},
+        "assisted.draft.patched_get_logits_processor", present="5.21+",
+        why="`(encoder_input_ids < 0).any()` read in every round's assistant generate(), for processors it lacks",
+    ),
+    Shortcut(
+        "draft attention mask on the host",
+        (f"{_GEN}:GenerationMixin.generate", f"{_GEN}:GenerationMixin._prepare_attention_mask_for_generation"),
+        {f"{_GEN}:GenerationMixin.generate": {"b899fecda276": "5.21.1-5.23.0"},
+         f"{_GEN}:GenerationMixin._prepare_attention_mask_for_generation": {"f9e2a05f5d00": "5.1.0-5.23.0"}},
+        "assisted.draft.DraftRun.host_mask", present="5.21+",
+        why="every round's assistant generate() builds an all-ones mask, reads `(mask == 1).all()` and drops it",
+    ),
+    Shortcut(
+        "prompt lookup on the host mirror",
+        (f"{_CG}:PromptLookupCandidateGenerator.get_candidates",) + tuple(
+            f"{_LP}:{name}.__call__" for name in (
+                "TemperatureLogitsWarper", "TopKLogitsWarper", "RepetitionPenaltyLogitsProcessor", "MinPLogitsWarper")),
+        {
+            f"{_CG}:PromptLookupCandidateGenerator.get_candidates": {
+                "c004f18d8fb1": "4.57.6", "30617195f295": "5.0.0", "a0fc6d546923": "5.1.0-5.2.0",
+                "3975d4c4dc35": "5.3.0", "79460d8a27fc": "5.4.0-5.7.0", "655474704547": "5.8.1-5.12.1",
+                "d598a60d2ee6": "5.13.1-5.22.2", "f5649648285e": "5.23.0"},
+            f"{_LP}:TemperatureLogitsWarper.__call__": {"275ebb389db2": "4.57.6-5.22.2", "d3ca7666874e": "5.23.0"},
+            f"{_LP}:TopKLogitsWarper.__call__": {"2b8bab48a54a": "4.57.6-5.22.2", "3f901d10cbf2": "5.23.0"},
+            f"{_LP}:RepetitionPenaltyLogitsProcessor.__call__": {
+                "35dcc5fc15b0": "4.57.6-5.17.0", "4f13000c1f61": "5.18.0-5.22.2", "0bf3c6d07642": "5.23.0"},
+            f"{_LP}:MinPLogitsWarper.__call__": {
+                "ea84c2487a64": "4.57.6", "dc52619ba3d1": "5.0.0-5.22.2", "3896514acde0": "5.23.0"},
+        },
+        "assisted.lookup.HostLookup",
+        why="the n-gram search reads the device for every match and candidate; it is integer work on the host "
+            "copy, and these processors cannot forbid a candidate on all-ones logits",
     ),
 )

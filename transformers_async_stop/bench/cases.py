@@ -58,6 +58,9 @@ class Case:
     # extra generate() kwargs of every run of the case: (run, model) -> dict. Stopping criteria and logits
     # processors given here are the user's own; an assistant model (assisted decoding) would come in here too.
     extra: Callable[["Run", torch.nn.Module], dict] | None = None
+    # the case's own (mode, decode) runs instead of every mode plus the extras (assisted decoding: eager only)
+    plan: tuple[tuple[str, str], ...] | None = None
+    opt_in: bool = False  # run only when named in --cases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +110,14 @@ def builtin_cases() -> dict[str, Case]:
                            extra=issue_43089_extras),
         "gpt2": Case("gpt2", _from_config(GPT2Config()), (1, 32), 100, 32, "fp32", pad_token_id=50256),
         "llama-1b": Case("llama-1b", _from_config(llama_1b), (1, 32), 128, 32, "bf16", pad_token_id=0),
+        **_assisted_cases(),
     }
+
+
+def _assisted_cases() -> dict[str, Case]:
+    from .assisted import assisted_cases
+
+    return assisted_cases()
 
 
 def model_case(path: str) -> Case:
@@ -129,7 +139,7 @@ def plan_runs(args, device: torch.device, cases: dict[str, Case]) -> list[tuple[
     elif args.quick or device.type != "cuda":
         names = [n for n, c in cases.items() if c.tiny]
     else:
-        names = [n for n in cases if n != "llama-1b" or _gpu_gib(device) >= 8]
+        names = [n for n, c in cases.items() if not c.opt_in and (n != "llama-1b" or _gpu_gib(device) >= 8)]
     selected = [cases[n] for n in names]
     if args.model:
         selected.append(model_case(args.model))
@@ -139,6 +149,10 @@ def plan_runs(args, device: torch.device, cases: dict[str, Case]) -> list[tuple[
     modes = _names(args.modes) or list(MODES)
     plan = []
     for case in selected:
+        if case.plan is not None:
+            plan.append((case, [run_of(case, args, device, mode, b, decode) for mode, decode in case.plan
+                                if mode in modes for b in (args.batch or case.batches)]))
+            continue
         runs = [run_of(case, args, device, mode, b) for mode in modes for b in (args.batch or case.batches)]
         if case.name == extras_to and "static" in modes:
             first = args.batch[0] if args.batch else None

@@ -12,7 +12,7 @@ import torch
 
 from .. import apply
 from . import __doc__ as PACKAGE_DOC
-from . import gpu, report
+from . import assisted, gpu, report
 from .cases import DTYPES, MODES, REFERENCE_CASE, Case, Run, builtin_cases, plan_runs, run_of
 from .measure import error_record, measure_run
 from .variants import VARIANTS, Selection, select
@@ -25,7 +25,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m transformers_async_stop.bench", description=PACKAGE_DOC,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", help="comma list of: tiny-llama, gpt2, llama-1b (default: all that fit the device; "
-                                   "tiny only on CPU and with --quick)")
+                                   "tiny only on CPU and with --quick); opt-in: llama-1b-draft, llama-1b-copy, "
+                                   "llama-1b-lookup (assisted decoding, prompt lookup)")
     p.add_argument("--modes", help="comma list of: eager, static (default: both)")
     p.add_argument("--variants", help=f"comma list of: {', '.join(VARIANTS)} (default: all; upstream needs "
                                       "transformers 5.17+, floor needs CUDA)")
@@ -100,6 +101,7 @@ def main(argv=None, cases: dict[str, Case] | None = None) -> int:
         print(report.NO_CUDA_MESSAGE, file=sys.stderr)
 
     plan = plan_runs(args, device, cases)
+    assisted.install_metric()  # acceptance figures of the assisted-decoding cases (bench/assisted.py)
     if "upstream" in sel.timed and any(run.decode == "beam" for _, runs in plan for run in runs):
         notes.append("upstream's DeferredStopCheck covers greedy and sampling (_sample) only: in the beam rows, "
                      "upstream is stock transformers")
@@ -112,8 +114,11 @@ def main(argv=None, cases: dict[str, Case] | None = None) -> int:
 
     result = {"header": report.header(device, _command(argv), args, sel.timed, sel.floor, notes, reference),
               "runs": records}
-    print(report.text_report(result))
+    print(report.text_report(result) + assisted.text_report(result))
     report.write_outputs(result, args)
+    if args.markdown and assisted.rows(result):
+        with open(args.markdown, "a", encoding="utf-8") as f:
+            f.write(assisted.markdown(result))
     return 1 if any(r.get("error") for r in records) else 0
 
 
