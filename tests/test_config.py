@@ -37,7 +37,8 @@ class FlagField(unittest.TestCase):
         config = GenerationConfig()
         self.assertIsNone(config.async_stopping_criteria)
         self.assertIn("async_stopping_criteria", config.to_dict())
-        self.assertIs(GenerationConfig._get_default_generation_params()["async_stopping_criteria"], False)
+        if hasattr(GenerationConfig, "_get_default_generation_params"):  # 5.x resolves unset fields from it
+            self.assertIs(GenerationConfig._get_default_generation_params()["async_stopping_criteria"], False)
 
     def test_unset_flag_runs_the_stock_loop(self):
         model = build("llama")
