@@ -8,6 +8,6 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["transformers_async_stop", "transformers_async_stop.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "transformers>=5.0.0,<6", "accelerate"],
+    install_requires=["torch>=2.4", "transformers>=4.57.6,<6", "accelerate"],
     extras_require={"test": ["pytest", "parameterized"]},
 )
