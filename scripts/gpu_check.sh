@@ -2,7 +2,7 @@
 # One call on a GPU machine checks and times everything asked for, per transformers release:
 #   bash scripts/gpu_check.sh [what] [extra bench args...]
 # what: a comma list of
-#   tests     CUDA tests (tests/test_cuda.py): equality, streams, syncs per decode step
+#   tests     CUDA tests (tests/test_cuda.py, and tests/test_assisted.py -k Cuda): equality, streams, syncs
 #   overhead  the package's own host time per decode step (scripts/own_overhead.py)
 #   profile   where a decode step's host time goes, stock / upstream / imported / async (scripts/host_profile.py)
 #   bench     the benchmark (python -m transformers_async_stop.bench), extra args passed through
@@ -43,10 +43,15 @@ for tag in ${VERSIONS:-t523}; do
   if has tests; then
     timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py > "$out/pytest_$ver.txt" 2>&1
     grep -E "SYNCS|passed|failed|Error|error" "$out/pytest_$ver.txt" | tail -40
+    # assisted decoding's CUDA tests (syncs per verify round); its CPU tests run in CI
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_assisted.py -k Cuda \
+      > "$out/assisted_$ver.txt" 2>&1
+    grep -E "SYNCS|ROUND|passed|failed|Error|error" "$out/assisted_$ver.txt" | tail -20
   fi
   if has profile; then
+    mkdir -p "$out/prof_$ver"
     timeout 240 python3 scripts/host_profile.py --cases "${PROFILE_CASES:-tiny-static,llama1b-static}" \
-      > "$out/profile_$ver.txt" 2>&1
+      --out "$out/prof_$ver" > "$out/profile_$ver.txt" 2>&1
     grep -E "^===|ms/token|^tiny|^llama|package|create_masks|prepare_inputs|processors|criteria" "$out/profile_$ver.txt" | tail -60
   fi
   if has fuzz; then

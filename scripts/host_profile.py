@@ -171,7 +171,7 @@ def main():
     p.add_argument("--variants", default="stock,upstream,imported,async")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--out")
+    p.add_argument("--out", help="a folder for the cProfile files (pstats), one per case and variant")
     args = p.parse_args()
     import torch._dynamo.config as dc
     dc.recompile_limit = 64
