@@ -225,9 +225,9 @@ def rows(result: dict) -> list[tuple[str, ...]]:
     for r in result["runs"]:
         if r.get("error"):
             continue
+        if all(m.get("tokens_per_round") is None for m in r["variants"].values()):
+            continue  # not an assisted case (the metric's fields are None there)
         for v, m in r["variants"].items():
-            if m.get("accept_rate", "absent") == "absent":
-                break
             out.append((r["label"], v, _fmt(m["ms_per_token"], ".3f"), _fmt(r["floor_ms_per_token"], ".3f"),
                         _fmt(m["accept_rate"] * 100 if m["accept_rate"] is not None else None, ".0f", "%"),
                         _fmt(m["tokens_per_round"], ".2f"), _fmt(m["syncs_per_round"], ".2f")))
