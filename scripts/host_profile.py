@@ -25,10 +25,11 @@ import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 import transformers_async_stop as tas
+from transformers_async_stop.bench.cases import ExtraSoftmax, NeverStop  # the #43089 workload's criterion/processor
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -51,16 +52,6 @@ BLOCKS = {
     "package: AsyncStop.join": "transformers_async_stop/controller.py:join",
 }
 WAITS = ("method 'synchronize'", "method 'item'", "method 'is_nonzero'", "_local_scalar_dense", "built-in method bool")
-
-
-class NeverStop(StoppingCriteria):
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-class ExtraSoftmax(LogitsProcessor):
-    def __call__(self, input_ids, scores):
-        return scores.softmax(-1)
 
 
 def build(name):

@@ -24,7 +24,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import transformers_async_stop as tas
-from models import PAD, stock
+from models import PAD, pick_eos, stock
 
 # --- the model of the issue: a tiny random Llama, vocab 64, eos_token_id=2, prompt [[5, 6, 7, 8]] -------------------
 ISSUE_IDS = [[5, 6, 7, 8]]
@@ -297,16 +297,7 @@ def eos_from_stock_run(model, ids, mask, steps_per_row, max_new_tokens, seed=123
                              eos_token_id=None, **make_kwargs())
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
     generated = sequences[:, ids.shape[1]:].tolist()
-    chosen = []
-    for tokens, step in zip(generated, steps_per_row):
-        if step is None:
-            continue
-        firsts = [k for k in range(len(tokens)) if tokens[k] not in tokens[:k] and tokens[k] != PAD]
-        later = [k for k in firsts if k >= step]
-        if later or firsts:
-            chosen.append(tokens[later[0] if later else firsts[-1]])
-    never = {t for tokens, step in zip(generated, steps_per_row) if step is None for t in tokens}
-    eos = [t for t in dict.fromkeys(chosen) if t not in never]
+    eos = pick_eos(generated, steps_per_row)
     if not eos:
         raise AssertionError(f"no EOS id stops the rows at {steps_per_row} in {generated}")
     return eos

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import transformers
@@ -69,20 +70,23 @@ def eos_ids_finishing_at(model, ids, mask, steps_per_row, max_new_tokens=16):
     with stock():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=PAD, eos_token_id=None)
-    generated = out[:, ids.shape[1]:].tolist()
+    return pick_eos(out[:, ids.shape[1]:].tolist(), steps_per_row) or [VOCAB - 1]
+
+
+def pick_eos(generated, steps_per_row) -> list[int]:
+    """From the tokens each row generated (a run without EOS), EOS ids that stop row r at (about) step
+    steps_per_row[r] (None: never): the first token at or after that step not seen before in the row (else the
+    nearest one before it), leaving out every token of the rows that must not stop. May be empty."""
     chosen = []
-    for row, step in enumerate(steps_per_row):
+    for tokens, step in zip(generated, steps_per_row):
         if step is None:
             continue
-        tokens = generated[row]
-        # the first token at or after `step` not seen before in the row (else the nearest one before it)
         firsts = [k for k in range(len(tokens)) if tokens[k] not in tokens[:k] and tokens[k] != PAD]
         later = [k for k in firsts if k >= step]
         if later or firsts:
             chosen.append(tokens[later[0] if later else firsts[-1]])
-    never = {t for row, step in enumerate(steps_per_row) if step is None for t in generated[row]}
-    eos = [t for t in dict.fromkeys(chosen) if t not in never]
-    return eos or [VOCAB - 1]
+    never = {t for tokens, step in zip(generated, steps_per_row) if step is None for t in tokens}
+    return [t for t in dict.fromkeys(chosen) if t not in never]
 
 
 @contextlib.contextmanager
@@ -162,6 +166,20 @@ def generate_and_draw(model, ids, mask, flag, seed=123, **kwargs):
     finally:
         counter.close()
     return out, after, counter.count
+
+
+def count_syncs(fn) -> int:
+    """Blocking syncs of `fn()` on CUDA, counted by torch's sync debug mode."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def assert_flag_matches_stock(test, model, ids, mask, device, seed=3, **kwargs):

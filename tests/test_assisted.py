@@ -31,7 +31,7 @@ from parameterized import parameterized
 from transformers import DynamicCache, GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from models import PAD, VOCAB, assert_same, build, eos_ids_finishing_at, prompt, stock
+from models import PAD, VOCAB, CountForwards, assert_same, build, count_syncs, eos_ids_finishing_at, prompt, stock
 from transformers_async_stop import StockPathWarning
 from transformers_async_stop.assisted.loop import installed_port
 
@@ -91,18 +91,6 @@ class RecordingStreamer(BaseStreamer):
 
     def end(self):
         self.ends += 1
-
-
-class CountForwards:
-    def __init__(self, model):
-        self.count = 0
-        self._handle = model.register_forward_hook(self._hook)
-
-    def _hook(self, *args):
-        self.count += 1
-
-    def close(self):
-        self._handle.remove()
 
 
 def run(ids, flag: bool, *, assistant: str | None = None, assistant_config=None, streamer=True, seed=7, **kwargs):
@@ -481,19 +469,6 @@ class StaysStockWithOneWarning(unittest.TestCase):
 
 # --- CUDA: syncs per verify round --------------------------------------------------------------------------------
 CUDA = torch.cuda.is_available()
-
-
-def count_syncs(fn) -> int:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 @unittest.skipUnless(CUDA, "needs a CUDA device")

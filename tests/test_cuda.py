@@ -7,7 +7,6 @@ of an N-token call minus those of a 1-token call, so everything `generate()` doe
 from __future__ import annotations
 
 import unittest
-import warnings
 from unittest import mock
 
 import torch
@@ -20,6 +19,7 @@ from models import (
     assert_flag_matches_stock,
     assert_same,
     build,
+    count_syncs,
     eos_ids_finishing_at,
     prompt,
     stock,
@@ -27,19 +27,6 @@ from models import (
 
 CUDA = torch.cuda.is_available()
 requires_cuda = unittest.skipUnless(CUDA, "needs a CUDA device")
-
-
-def count_syncs(fn) -> int:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def syncs_per_step(model, ids, mask, new_tokens=24, fixed_length=True, **kwargs) -> float:

@@ -52,7 +52,7 @@ from adversarial_helpers import (
     judge_model,
     static_cache,
 )
-from models import PAD, PROMPT_LEN, VOCAB, CountForwards, assert_same, build, prompt, stock
+from models import PAD, PROMPT_LEN, VOCAB, CountForwards, assert_same, build, pick_eos, prompt, stock
 from transformers_async_stop import StockPathWarning
 
 FAMILIES = ("llama", "gpt2", "qwen2", "mistral")
@@ -266,16 +266,7 @@ def eos_of(case: dict, generated=None):
     if case["eos_steps"] == "no_eos":
         return None
     generated = _probe(case) if generated is None else generated
-    chosen = []
-    for tokens, step in zip(generated, case["eos_steps"]):
-        if step is None:
-            continue
-        firsts = [k for k in range(len(tokens)) if tokens[k] not in tokens[:k] and tokens[k] != PAD]
-        later = [k for k in firsts if k >= step]
-        if later or firsts:
-            chosen.append(tokens[later[0] if later else firsts[-1]])
-    never = {t for tokens, step in zip(generated, case["eos_steps"]) if step is None for t in tokens}
-    return [t for t in dict.fromkeys(chosen) if t not in never] or [VOCAB - 1]
+    return pick_eos(generated, case["eos_steps"]) or [VOCAB - 1]
 
 
 def limit_of(case: dict) -> int:

@@ -234,17 +234,23 @@ class AsyncStop:
 
     def see_cache(self, cache, route_a: bool) -> None:
         """The loop's cache, once it exists (after prefill): the room it has, and whether it can give a step back."""
-        if self.cache_seen or cache is None:
+        if not self._first_sight(cache):
             return
-        self.cache_seen = True
-        room = capacity(cache)
-        if room is not None and (self.max_length is None or room < self.max_length):
-            self.room = room
         if self.cache_returned and not self.synchronous and self.steps == 0:
             reason = cache_blocks_deferral(cache, route_a)
             if reason is not None:
                 self.synchronous = True
                 warn_stock(reason)
+
+    def _first_sight(self, cache) -> bool:
+        """Note the cache's room the first time it is seen; whether this was the first time."""
+        if self.cache_seen or cache is None:
+            return False
+        self.cache_seen = True
+        room = capacity(cache)
+        if room is not None and (self.max_length is None or room < self.max_length):
+            self.room = room
+        return True
 
     def finish(self) -> int:
         """After the loop: drain the copies, stream what is left, return how many steps (0 or 1) to undo, and give

@@ -31,7 +31,7 @@ import types
 import torch
 from transformers.generation.stopping_criteria import ConfidenceCriteria, StoppingCriteria, StoppingCriteriaList
 
-from ..cache_rollback import capacity, why_not_rollbackable
+from ..cache_rollback import why_not_rollbackable
 from ..call_state import CALL, compiling
 from ..config import _mark, warn_stock
 from ..controller import AsyncStop
@@ -219,12 +219,8 @@ class DraftStop(AsyncStop):
             self._flags, self._views, self._done = run.slots
 
     def see_cache(self, cache, route_a: bool) -> None:
-        if self.cache_seen or cache is None:
+        if not self._first_sight(cache):
             return
-        self.cache_seen = True
-        room = capacity(cache)
-        if room is not None and (self.max_length is None or room < self.max_length):
-            self.room = room
         reason = why_not_rollbackable(cache)
         if reason is not None and self.steps == 0:
             self.synchronous = True
