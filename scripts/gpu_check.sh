@@ -9,7 +9,8 @@
 #   multi     on two GPUs: device_map, tensor parallel, synced_gpus over NCCL
 #   fuzz      the differential fuzz on CUDA (TAS_FUZZ_DRAWS draws, default 200)
 #   all       tests,overhead,bench
-# Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, BENCH_TRACE=1.
+# Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, PROFILE_VARIANTS,
+# BENCH_TRACE=1.
 # transformers 5.17.0 is the device image's own; the others travel as wheels in .whl/ (docs/gpu-runs.md).
 # Everything lands in $OUT/gpu-check.tgz (the device returns at most 8 files); a summary goes to stdout.
 set -u
@@ -50,9 +51,12 @@ for tag in ${VERSIONS:-t523}; do
   fi
   if has profile; then
     mkdir -p "$out/prof_$ver"
-    timeout 240 python3 scripts/host_profile.py --cases "${PROFILE_CASES:-tiny-static,llama1b-static}" \
+    timeout 300 python3 scripts/host_profile.py --cases "${PROFILE_CASES:-tiny-static,llama1b-static}" \
+      --variants "${PROFILE_VARIANTS:-stock,upstream,imported,async}" --gaps \
       --out "$out/prof_$ver" > "$out/profile_$ver.txt" 2>&1
-    grep -E "^===|ms/token|^tiny|^llama|package|create_masks|prepare_inputs|processors|criteria" "$out/profile_$ver.txt" | tail -60
+    rm -f "$out/prof_$ver"/*.trace.json  # large; the figures drawn from them are in the text
+    grep -E "^===|ms/token|^tiny|^llama|device per step|package|create_masks|prepare_inputs|processors|criteria" \
+      "$out/profile_$ver.txt" | tail -60
   fi
   if has fuzz; then
     TAS_FUZZ_DEVICE=cuda TAS_FUZZ_DRAWS=${TAS_FUZZ_DRAWS:-200} timeout 400 python3 -m pytest -q -p no:cacheprovider \

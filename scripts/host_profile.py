@@ -1,7 +1,7 @@
 """Where the host time of one decode step goes: stock transformers vs upstream's DeferredStopCheck vs the flag.
 
     python3 scripts/host_profile.py [--cases tiny-static,tiny-eager,llama1b-static,llama1b-sample,llama1b-padded]
-                                    [--tokens 64] [--top 25] [--out DIR]
+                                    [--tokens 64] [--top 25] [--out DIR] [--gaps]
 
 For each case and variant: ms/token without a profiler (median of 5, N-token minus 1-token call), then one N-token call
 under cProfile. Printed per decode step: the wall time, the time blocked waiting for the GPU (the builtins that wait:
@@ -9,6 +9,11 @@ event synchronize, `.item()`/`bool()` of a CUDA tensor), the host's own time (th
 of the generate() building blocks (input preparation, mask creation, the compiled forward, processors, criteria,
 the stop check, this package's wrappers), and the functions with the most own time. cProfile inflates Python-heavy
 code; read the figures as shares, and the unprofiled ms/token as the truth.
+
+With --gaps (CUDA), each variant's decode steps are also split on the device side (`device_gaps`): busy time, the
+idle gaps between two kernels of one CUDA-graph launch (the forward's graph), and the idle gaps elsewhere (between
+the graph and the loop's own kernels, and between those). The in-graph gap per kernel boundary bounds what any
+host-side change can reach: a whole step captured in one graph would still pay it at every boundary.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import contextlib
 import cProfile
 import importlib
+import json
 import os
 import pstats
 import statistics
@@ -156,6 +162,69 @@ def report(case, name, kw, kw1, model, flag, n, top, out):
     return ms
 
 
+GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_gaps(model, kw, flag, n, path):
+    """Per decode step, from a CUDA-activity trace of one N-token call: (busy, gaps inside one graph launch, gaps
+    elsewhere) in us, and the kernel counts inside and outside graphs. The decode steps are the span from the first
+    graph-launched kernel (the prefill runs eagerly) to the last device event."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.manual_seed(0)
+        model.generate(**kw, **flag)
+        sync()
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    launches = {e["args"].get("correlation") for e in events
+                if e.get("name") in GRAPH_LAUNCHES and "args" in e}
+    device = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("args", {}).get("correlation"),
+         bool(e.get("args", {}).get("graph node id")))
+        for e in events if e.get("cat") in DEVICE_CATS)
+    in_graph = [c in launches or node for _, _, c, node in device]
+    device = [d[:3] for d in device]
+    first = next((i for i, g in enumerate(in_graph) if g), None)
+    if first is None:
+        return None
+    device, in_graph = device[first:], in_graph[first:]
+    busy = inside = outside = 0.0
+    boundaries_inside = 0
+    reach, last_corr, last_graph = None, None, False
+    for (start, end, corr), graph in zip(device, in_graph):
+        if reach is None:
+            busy += end - start
+        else:
+            busy += max(0.0, end - max(start, reach))
+            if start > reach:
+                if graph and last_graph and corr == last_corr:
+                    inside += start - reach
+                else:
+                    outside += start - reach
+        if graph and last_graph and corr == last_corr:
+            boundaries_inside += 1
+        reach = end if reach is None else max(reach, end)
+        last_corr, last_graph = corr, graph
+    steps = n - 1
+    return dict(busy=busy / steps, inside=inside / steps, outside=outside / steps,
+                kernels_graph=sum(in_graph) / steps, kernels_other=(len(in_graph) - sum(in_graph)) / steps,
+                gap_per_boundary=inside / boundaries_inside if boundaries_inside else 0.0)
+
+
+def print_gaps(case, name, g):
+    total = g["busy"] + g["inside"] + g["outside"]
+    whole = g["busy"] / (g["busy"] + g["gap_per_boundary"] * (g["kernels_graph"] + g["kernels_other"]))
+    print(f"  device per step: busy {g['busy']:.1f} us ({100 * g['busy'] / total:.1f}% of the step), idle inside "
+          f"the forward's graph {g['inside']:.1f} us ({g['kernels_graph']:.0f} kernels, "
+          f"{g['gap_per_boundary']:.2f} us per boundary), idle elsewhere {g['outside']:.1f} us "
+          f"({g['kernels_other']:.0f} kernels outside graphs); a whole step in one graph: ~{100 * whole:.1f}% busy")
+    return 100 * g["busy"] / total, 100 * whole
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default="tiny-static,tiny-eager,llama1b-static,llama1b-sample,llama1b-padded")
@@ -163,6 +232,7 @@ def main():
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", help="a folder for the cProfile files (pstats), one per case and variant")
+    p.add_argument("--gaps", action="store_true", help="CUDA: split each variant's device time (device_gaps)")
     args = p.parse_args()
     import torch._dynamo.config as dc
     dc.recompile_limit = 64
@@ -182,13 +252,22 @@ def main():
                 continue
             try:
                 with variant(name) as flag:
-                    summary.append((case, name, report(case, name, kw, kw1, model, flag, args.tokens, args.top,
-                                                       args.out)))
+                    ms = report(case, name, kw, kw1, model, flag, args.tokens, args.top, args.out)
+                    busy = None
+                    if args.gaps and DEV == "cuda":
+                        trace = os.path.join(args.out or "/tmp", f"{case}-{name}.trace.json")
+                        g = device_gaps(model, kw, flag, args.tokens, trace)
+                        if g is not None:
+                            busy = print_gaps(case, name, g)
+                        else:
+                            print("  device per step: no graph-launched kernel in the trace")
+                    summary.append((case, name, ms, busy))
             except Exception as exc:  # one failing case must not hide the others
                 print(f"{case}/{name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    print("\ncase              variant    ms/token")
-    for case, name, ms in summary:
-        print(f"{case:17s} {name:10s} {ms:8.3f}")
+    print("\ncase              variant    ms/token  busy%  busy% if one graph")
+    for case, name, ms, busy in summary:
+        shares = f"{busy[0]:6.1f} {busy[1]:6.1f}" if busy else ""
+        print(f"{case:17s} {name:10s} {ms:8.3f} {shares}")
 
 
 if __name__ == "__main__":

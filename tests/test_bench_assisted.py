@@ -58,6 +58,12 @@ class AssistedCases(unittest.TestCase):
             self.assertIn("accept rate", text)
             self.assertIn("small-lookup eager b1", text)
 
+    def test_lookup_target_echoes_its_last_token_so_lookup_has_ngrams_to_find(self):
+        # an untouched random target rarely repeats an n-gram (none in 200 greedy tokens of the 1B one)
+        target = small_cases()["small-lookup"].build(torch.device("cpu"), torch.float32)
+        prompt = assisted.repetitive_prompt(target, 24)
+        self.assertEqual(prompt[0, 8:].tolist(), [prompt[0, 7].item()] * 16)
+
     def test_drafts_share_the_targets_weights(self):
         own = small_cases()
         target = own["small-draft"].build(torch.device("cpu"), torch.float32)

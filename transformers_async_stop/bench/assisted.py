@@ -6,8 +6,10 @@ takes a DynamicCache):
   norm and its head (no extra weights); the target's deeper layers are scaled down (`DEEP_LAYER_SCALE`) so that
   the draft agrees with it often enough to be worth verifying; greedy and speculative sampling;
 - `llama-1b-copy`: the target drafting for itself (the same modules), the 100%-acceptance bound for greedy;
-- `llama-1b-lookup`: prompt lookup on a prompt made of the target's own greedy output (random-weight models fall
-  into short loops, so its n-grams come back).
+- `llama-1b-lookup`: prompt lookup with an echo target (`_echo`: the same compute, arranged so that its greedy
+  output repeats its last token) on a prompt made of its own greedy output, so the prompt's n-grams come back: the
+  lookup's bound, as the copy is the draft's. (An untouched random 1B target never repeats an n-gram in 200
+  greedy tokens: lookup would find nothing to propose.)
 Drafts run with a fixed length (`DRAFT_TOKENS`, "constant" schedule) and no confidence threshold: a random draft's
 probabilities are near-uniform, so the default threshold (0.4) would stop every draft after one token.
 
@@ -57,8 +59,8 @@ def cases_with_prefix(prefix: str, config, new_tokens: int, prompt_len: int, dty
                                 plan=tuple(("eager", d) for d in DECODES), **common),
         f"{prefix}-copy": Case(f"{prefix}-copy", build, extra=_draft_extras("copy"), plan=(("eager", "greedy"),),
                                **common),
-        f"{prefix}-lookup": Case(f"{prefix}-lookup", build, extra=_lookup_extras, plan=(("eager", "greedy"),),
-                                 **common),
+        f"{prefix}-lookup": Case(f"{prefix}-lookup", _echo(build), extra=_lookup_extras,
+                                 plan=(("eager", "greedy"),), **common),
     }
 
 
@@ -91,6 +93,23 @@ def _with_quiet_deep_layers(build):
         return model
 
     return quiet
+
+
+def _echo(build):
+    """The lookup case's target: every layer's output projections are zero, so the residual stream is the current
+    token's embedding, and the head is the embedding matrix, under which a random embedding is closest to itself:
+    the greedy output repeats the last token. The compute is the target's, unchanged."""
+
+    def echo(device, dtype):
+        model = build(device, dtype)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        return model
+
+    return echo
 
 
 def _draft_extras(kind: str):
