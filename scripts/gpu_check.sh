@@ -47,7 +47,7 @@ for tag in ${VERSIONS:-t523}; do
     # assisted decoding's CUDA tests (syncs per verify round); its CPU tests run in CI
     timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_assisted.py -k Cuda \
       > "$out/assisted_$ver.txt" 2>&1
-    grep -E "SYNCS|ROUND|passed|failed|Error|error" "$out/assisted_$ver.txt" | tail -20
+    grep -E "CUDA syncs|passed|failed|Error|error" "$out/assisted_$ver.txt" | tail -20
   fi
   if has profile; then
     mkdir -p "$out/prof_$ver"
