@@ -26,6 +26,7 @@ import unittest
 import warnings
 from unittest import mock
 
+import pytest
 import torch
 from parameterized import parameterized
 from transformers import DynamicCache, GenerationConfig, StaticCache, StoppingCriteria, StoppingCriteriaList
@@ -202,7 +203,7 @@ def assisted_scenario(name):
 
 
 HAS_ENSEMBLE = hasattr(GenerationConfig(), "assistant_ensemble_weight")
-PORTED = installed_port() is not None  # 4.57.6, 5.0-5.1, 5.16-5.17, 5.23 (targets.SHORTCUTS)
+PORTED = installed_port() is not None  # 4.57.6, 5.0-5.1, 5.16-5.23 (targets.SHORTCUTS)
 
 
 ASSISTED = [
@@ -286,6 +287,7 @@ class AssistedEqualsStock(unittest.TestCase):
             self.assertLess(ref_rounds, new_tokens, "a copy of the target should have drafts accepted")
 
     @parameterized.expand([("greedy",), ("sample",)])
+    @pytest.mark.core
     def test_plain_tensor_output_matches_stock(self, mode):
         ids, _ = prompt(batch=1)
         kw = dict(max_new_tokens=10, eos_token_id=_eos(ids, 6), do_sample=mode == "sample")
@@ -295,6 +297,7 @@ class AssistedEqualsStock(unittest.TestCase):
         assert_same(self, ref, on, "flag on")
 
     @parameterized.expand([("greedy",), ("sample",)])
+    @pytest.mark.core
     def test_user_cache_matches_stock(self, mode):
         """A DynamicCache the caller passes in (and keeps) holds what stock leaves in it."""
         ids, _ = prompt(batch=1)
@@ -356,6 +359,7 @@ class AssistedEqualsStock(unittest.TestCase):
 
 class PromptLookupEqualsStock(unittest.TestCase):
     @parameterized.expand([(name,) for name in LOOKUP])
+    @pytest.mark.core
     def test_outputs_match_stock(self, name):
         ids, kw, early = lookup_scenario(name)
         with stock():
@@ -395,6 +399,7 @@ class TakesTheDeferredPath(unittest.TestCase):
             _, caught, _ = run(ids, True, **kw, **FULL_OUTPUTS)
         self.assertEqual(caught, [], "StockPathWarning raised with async_stopping_criteria=True")
 
+    @pytest.mark.core
     def test_no_stock_path_warning_with_a_user_cache(self):
         ids, _ = prompt(batch=1)
         _, caught, _ = run(ids, True, assistant="shared", past_key_values=DynamicCache(), max_new_tokens=8,

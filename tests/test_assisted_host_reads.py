@@ -22,6 +22,7 @@ import unittest
 from collections import Counter
 from unittest import mock
 
+import pytest
 import torch
 from parameterized import parameterized
 
@@ -129,6 +130,7 @@ CASES = [("assisted", False), ("assisted", True), ("lookup", False), ("lookup", 
 
 class AtMostOneReadPerRound(unittest.TestCase):
     @parameterized.expand(CASES)
+    @pytest.mark.core
     @unittest.skipUnless(PORTED, "this transformers release's assisted decoding loop was not ported: it runs stock")
     def test_flag_on_reads_the_device_only_in_the_rounds_copy(self, method, sample):
         device, boxes, mask_drops, masks = per_round(True, method, sample)

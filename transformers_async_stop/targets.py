@@ -330,13 +330,14 @@ SHORTCUTS: tuple[Shortcut, ...] = (
         why="the verify loop, ported: acceptance on the device, one read per round",
     ),
     Shortcut(
-        "assisted decoding loop (5.23)",
+        "assisted decoding loop (5.18-5.23)",
         (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
          f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
-        {f"{_GEN}:GenerationMixin._assisted_decoding": {"34ef66021aba": "5.23.0"},
+        # 5.18.0-5.22.2 differ from 5.23.0 only in the annotation and docstring of `inputs_tensor`
+        {f"{_GEN}:GenerationMixin._assisted_decoding": {"0f204ece31d0": "5.18.0-5.22.2", "34ef66021aba": "5.23.0"},
          f"{_GEN}:_speculative_sampling": {"51a96b7a06b5": "5.18.0-5.23.0"},
          f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"eb47726dea03": "5.16.1-5.23.0"}},
-        "assisted.loop.run", present="5.23+",
+        "assisted.loop.run", present="5.18+",
         why="the verify loop, ported: acceptance on the device, one read per round",
     ),
     Shortcut(
@@ -379,9 +380,12 @@ SHORTCUTS: tuple[Shortcut, ...] = (
     Shortcut(
         "draft attention mask on the host",
         (f"{_GEN}:GenerationMixin.generate", f"{_GEN}:GenerationMixin._prepare_attention_mask_for_generation"),
-        {f"{_GEN}:GenerationMixin.generate": {"b899fecda276": "5.21.1-5.23.0"},
+        # 5.18-5.20 drop the mask for flash attention too (`_builds_ones` leaves flash attention to stock) and
+        # refuse CPU input ids (the mask is the only CPU tensor handed over)
+        {f"{_GEN}:GenerationMixin.generate": {"6c78fb8d9056": "5.18.0-5.19.0", "4b50e18e202d": "5.20.2",
+                                              "b899fecda276": "5.21.1-5.23.0"},
          f"{_GEN}:GenerationMixin._prepare_attention_mask_for_generation": {"f9e2a05f5d00": "5.1.0-5.23.0"}},
-        "assisted.draft.DraftRun.host_mask", present="5.21+",
+        "assisted.draft.DraftRun.host_mask", present="5.18+",
         why="every round's assistant generate() builds an all-ones mask, reads `(mask == 1).all()` and drops it",
     ),
     Shortcut(

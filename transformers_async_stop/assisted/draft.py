@@ -15,7 +15,7 @@ own `CallState.draft` then points to the call's `DraftRun`):
 - the special-token tensors are made in the first round and reused (`patched_prepare_special_tokens`), 5.23's
   logits-processor set-up skips an encoder-ids check that only gates encoder processors
   (`patched_get_logits_processor`), and the mask the assistant is handed is one the package can answer for on the
-  host: tagged with the call's mask summary (4.57-5.17, `masking.py`), or on 5.21+ a CPU all-ones mask where stock
+  host: tagged with the call's mask summary (4.57-5.17, `masking.py`), or on 5.18+ a CPU all-ones mask where stock
   would build an all-ones one and drop it;
 - with scikit-learn, the draft probabilities stay on the device and reach the generator with the round's one read.
 
@@ -116,7 +116,7 @@ class DraftRun:
         """A mask the package can answer for on the host, to hand the assistant instead (None: keep its own).
 
         4.57-5.17: the assistant's mask (the prompt's, then ones) is tagged with the call's mask summary, so its
-        SDPA mask-skip checks read the host (`masking.py`). 5.21+: where stock builds an all-ones mask, reads
+        SDPA mask-skip checks read the host (`masking.py`). 5.18+: where stock builds an all-ones mask, reads
         `(mask == 1).all()` and drops it, a CPU all-ones mask gives the same answer without the read."""
         mask = arguments.get("attention_mask")
         if isinstance(mask, torch.Tensor):

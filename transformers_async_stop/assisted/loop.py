@@ -44,7 +44,7 @@ class Port:
     cache_position: bool  # 4.57-5.16 grow `cache_position`; 5.17+ grow `position_ids`, pass `next_sequence_length`
     done_candidate: bool  # 4.57-5.17: `is_done_candidate and n_matches == candidate_length` gives one back
     budget: bool  # 5.17+: `valid_tokens[:, :max_length - cur_len]`
-    eos_cut: bool  # 5.23: cut after the first EOS among the kept tokens
+    eos_cut: bool  # 5.18+: cut after the first EOS among the kept tokens
     ensemble: bool  # 5.17+: `assistant_ensemble_weight`
     record_past: bool  # 5.17+: `activate_past_recording()`, relative `crop(-n)`, a StaticCache type check
     cache_in_kwargs_only: bool  # 4.57 returns `model_kwargs.get("past_key_values")`, later releases any cache name
@@ -60,7 +60,7 @@ PORTS = (
     Port("assisted decoding loop (5.16-5.17)", first_iteration_arg=False, first_iteration_kwarg=True,
          cache_position=False, done_candidate=True, budget=True, eos_cut=False, ensemble=True, record_past=True,
          cache_in_kwargs_only=False),
-    Port("assisted decoding loop (5.23)", first_iteration_arg=False, first_iteration_kwarg=True,
+    Port("assisted decoding loop (5.18-5.23)", first_iteration_arg=False, first_iteration_kwarg=True,
          cache_position=False, done_candidate=False, budget=True, eos_cut=True, ensemble=True, record_past=True,
          cache_in_kwargs_only=False),
 )
@@ -118,8 +118,8 @@ class FoldedCriteria:
 def run(model, port: Port, candidate_generator, input_ids, logits_processor, stopping_criteria, generation_config,
         streamer, model_kwargs):
     """Copied from transformers `GenerationMixin._assisted_decoding`: v4.57.6, v5.0.0 (= v5.1.0), v5.17.0
-    (= v5.16.1) and v5.23.0, per `port`, from the candidate generator on (the caller made it as stock
-    does). Differences:
+    (= v5.16.1) and v5.23.0 (= v5.18.0-v5.22.2 but for one annotation), per `port`, from the candidate generator
+    on (the caller made it as stock does). Differences:
     - acceptance on the device (`acceptance.select` / `speculative` / `accepted_length`), then one read per round
       (`RoundBox`): `n_matches` is a Python int from there on, so the cache crop, `update_candidate_strategy`,
       `_update_model_kwargs_for_generation` and the records get ints, as in stock's 5.23 loop;
