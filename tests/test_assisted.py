@@ -203,7 +203,7 @@ def assisted_scenario(name):
 
 
 HAS_ENSEMBLE = hasattr(GenerationConfig(), "assistant_ensemble_weight")
-PORTED = installed_port() is not None  # 4.57.6, 5.0-5.1, 5.16-5.23 (targets.SHORTCUTS)
+PORTED = installed_port() is not None  # 4.57.6, 5.0-5.14, 5.16-5.23 (targets.SHORTCUTS)
 
 
 ASSISTED = [

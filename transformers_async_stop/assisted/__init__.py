@@ -67,7 +67,7 @@ def _preamble(model, port, generation_config, model_kwargs) -> None:
     if not model_kwargs["use_cache"]:
         raise ValueError("assisted generate requires `use_cache=True`")
     past = model_kwargs.get("past_key_values")
-    if port.record_past:
+    if port.static_by_type:
         static = type(past) is StaticCache
     else:
         static = past is not None and hasattr(past, "layers") and any(

@@ -36,33 +36,47 @@ MAX_TIME = "MaxTimeCriteria.__call__"
 
 @dataclass(frozen=True)
 class Port:
-    """What differs between the releases' `_assisted_decoding` loops (4.57, 5.0, 5.17 and 5.23 shapes)."""
+    """What differs between the releases' `_assisted_decoding` loops (4.57 to 5.23)."""
 
     name: str  # the shortcut in `targets.SHORTCUTS` whose sources it was ported from
-    first_iteration_arg: bool  # 5.0: `get_candidates(input_ids, is_first_iteration)`
+    first_iteration_arg: bool  # 5.0-5.2: `get_candidates(input_ids, is_first_iteration)`
     first_iteration_kwarg: bool  # 5.0+: `prepare_inputs_for_generation(..., is_first_iteration=...)`
-    cache_position: bool  # 4.57-5.16 grow `cache_position`; 5.17+ grow `position_ids`, pass `next_sequence_length`
+    cache_position: bool  # 4.57-5.3 grow `cache_position`
+    position_ids: bool  # 5.2+ grow `position_ids`
+    next_sequence_length: bool  # 5.3+ pass `next_sequence_length` to `prepare_inputs_for_generation`
+    static_by_type: bool  # 5.5+: the static-cache refusal tests `type(cache) is StaticCache`
     done_candidate: bool  # 4.57-5.17: `is_done_candidate and n_matches == candidate_length` gives one back
-    budget: bool  # 5.17+: `valid_tokens[:, :max_length - cur_len]`
+    budget: bool  # 5.14+: `valid_tokens[:, :max_length - cur_len]`
     eos_cut: bool  # 5.18+: cut after the first EOS among the kept tokens
-    ensemble: bool  # 5.17+: `assistant_ensemble_weight`
-    record_past: bool  # 5.17+: `activate_past_recording()`, relative `crop(-n)`, a StaticCache type check
+    ensemble: bool  # 5.14+: `assistant_ensemble_weight`
+    record_past: bool  # 5.14+: `activate_past_recording()`, relative `crop(-n)`
+    crop_positive_only: bool  # 5.14: the relative crop only when n > 0
     cache_in_kwargs_only: bool  # 4.57 returns `model_kwargs.get("past_key_values")`, later releases any cache name
 
 
+def _port(name: str, **changes) -> Port:
+    """A port as 5.0's loop, with the fields that differ."""
+    base = dict(first_iteration_arg=True, first_iteration_kwarg=True, cache_position=True, position_ids=False,
+                next_sequence_length=False, static_by_type=False, done_candidate=True, budget=False, eos_cut=False,
+                ensemble=False, record_past=False, crop_positive_only=False, cache_in_kwargs_only=False)
+    return Port(name, **{**base, **changes})
+
+
+_LATER = dict(first_iteration_arg=False, cache_position=False, position_ids=True, next_sequence_length=True,
+              static_by_type=True)  # 5.5-5.13
+_RECORDING = dict(_LATER, budget=True, ensemble=True, record_past=True)  # 5.14+
+
 PORTS = (
-    Port("assisted decoding loop (4.57)", first_iteration_arg=False, first_iteration_kwarg=False,
-         cache_position=True, done_candidate=True, budget=False, eos_cut=False, ensemble=False, record_past=False,
-         cache_in_kwargs_only=True),
-    Port("assisted decoding loop (5.0-5.1)", first_iteration_arg=True, first_iteration_kwarg=True,
-         cache_position=True, done_candidate=True, budget=False, eos_cut=False, ensemble=False, record_past=False,
-         cache_in_kwargs_only=False),
-    Port("assisted decoding loop (5.16-5.17)", first_iteration_arg=False, first_iteration_kwarg=True,
-         cache_position=False, done_candidate=True, budget=True, eos_cut=False, ensemble=True, record_past=True,
-         cache_in_kwargs_only=False),
-    Port("assisted decoding loop (5.18-5.23)", first_iteration_arg=False, first_iteration_kwarg=True,
-         cache_position=False, done_candidate=False, budget=True, eos_cut=True, ensemble=True, record_past=True,
-         cache_in_kwargs_only=False),
+    _port("assisted decoding loop (4.57)", first_iteration_arg=False, first_iteration_kwarg=False,
+          cache_in_kwargs_only=True),
+    _port("assisted decoding loop (5.0-5.1)"),
+    _port("assisted decoding loop (5.2)", position_ids=True),
+    _port("assisted decoding loop (5.3)", first_iteration_arg=False, position_ids=True, next_sequence_length=True),
+    _port("assisted decoding loop (5.4)", **dict(_LATER, static_by_type=False)),
+    _port("assisted decoding loop (5.5-5.13)", **_LATER),
+    _port("assisted decoding loop (5.14)", **dict(_RECORDING, crop_positive_only=True)),
+    _port("assisted decoding loop (5.16-5.17)", **_RECORDING),
+    _port("assisted decoding loop (5.18-5.23)", **dict(_RECORDING, done_candidate=False, eos_cut=True)),
 )
 
 
@@ -117,9 +131,10 @@ class FoldedCriteria:
 
 def run(model, port: Port, candidate_generator, input_ids, logits_processor, stopping_criteria, generation_config,
         streamer, model_kwargs):
-    """Copied from transformers `GenerationMixin._assisted_decoding`: v4.57.6, v5.0.0 (= v5.1.0), v5.17.0
-    (= v5.16.1) and v5.23.0 (= v5.18.0-v5.22.2 but for one annotation), per `port`, from the candidate generator
-    on (the caller made it as stock does). Differences:
+    """Copied from transformers `GenerationMixin._assisted_decoding`: v4.57.6, v5.0.0 (= v5.1.0), v5.2.0, v5.3.0,
+    v5.4.0, v5.5.4-v5.13.1 (v5.8 adds only the MTP generator's branches), v5.14.1, v5.17.0 (= v5.16.1) and v5.23.0
+    (= v5.18.0-v5.22.2 but for one annotation), per `port`, from the candidate generator on (the caller made it as
+    stock does). Differences:
     - acceptance on the device (`acceptance.select` / `speculative` / `accepted_length`), then one read per round
       (`RoundBox`): `n_matches` is a Python int from there on, so the cache crop, `update_candidate_strategy`,
       `_update_model_kwargs_for_generation` and the records get ints, as in stock's 5.23 loop;
@@ -188,21 +203,22 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
                 candidate_kwargs, candidate_input_ids.shape[1], model.config.is_encoder_decoder)
             _tag_grown(model_kwargs.get(mask_key), candidate_kwargs.get(mask_key))
             candidate_kwargs = cg_module._prepare_token_type_ids(candidate_kwargs, candidate_input_ids.shape[1])
-            if port.cache_position:
-                if "cache_position" in candidate_kwargs:
-                    candidate_kwargs["cache_position"] = torch.cat(
-                        (candidate_kwargs["cache_position"],
-                         torch.arange(cur_len, cur_len + candidate_length, device=device, dtype=torch.long)),
-                        dim=0,
-                    )
-                extra = {"is_first_iteration": is_first_iteration} if port.first_iteration_kwarg else {}
-            else:
-                if (position_ids := candidate_kwargs.get("position_ids")) is not None and candidate_length > 0:
-                    new_length = candidate_length + position_ids.shape[-1]
-                    candidate_kwargs = cg_module._prepare_position_ids(
-                        candidate_kwargs, new_length, model.config.is_encoder_decoder)
-                extra = {"next_sequence_length": candidate_length + 1 if not is_first_iteration else None,
-                         "is_first_iteration": is_first_iteration}
+            if port.position_ids and (position_ids := candidate_kwargs.get("position_ids")) is not None \
+                    and candidate_length > 0:
+                new_length = candidate_length + position_ids.shape[-1]
+                candidate_kwargs = cg_module._prepare_position_ids(
+                    candidate_kwargs, new_length, model.config.is_encoder_decoder)
+            if port.cache_position and "cache_position" in candidate_kwargs:
+                candidate_kwargs["cache_position"] = torch.cat(
+                    (candidate_kwargs["cache_position"],
+                     torch.arange(cur_len, cur_len + candidate_length, device=device, dtype=torch.long)),
+                    dim=0,
+                )
+            extra = {}
+            if port.next_sequence_length:
+                extra["next_sequence_length"] = candidate_length + 1 if not is_first_iteration else None
+            if port.first_iteration_kwarg:
+                extra["is_first_iteration"] = is_first_iteration
             model_inputs = model.prepare_inputs_for_generation(candidate_input_ids, **extra, **candidate_kwargs)
             if "logits_to_keep" in model_inputs:
                 model_inputs["logits_to_keep"] = candidate_length + 1
@@ -251,7 +267,8 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
             new_cur_len = input_ids.shape[1]
 
             if port.record_past:
-                outputs.past_key_values.crop(-(candidate_length - n_matches))
+                if not port.crop_positive_only or candidate_length - n_matches > 0:
+                    outputs.past_key_values.crop(-(candidate_length - n_matches))
             else:
                 outputs.past_key_values.crop(new_cur_len - 1)
 
