@@ -203,7 +203,7 @@ def assisted_scenario(name):
 
 
 HAS_ENSEMBLE = hasattr(GenerationConfig(), "assistant_ensemble_weight")
-PORTED = installed_port() is not None  # 4.57.6, 5.0-5.14, 5.16-5.23 (targets.SHORTCUTS)
+PORTED = installed_port() is not None  # 4.57.6, 5.0-5.23 (targets.SHORTCUTS)
 
 
 ASSISTED = [
@@ -275,7 +275,17 @@ class AssistedEqualsStock(unittest.TestCase):
             self.skipTest("assistant_ensemble_weight is new in 5.17")
         ids, kind, config, kw, early = assisted_scenario(name)
         with stock():
-            ref, _, ref_rounds = run(ids, False, assistant=kind, assistant_config=config, **kw, **FULL_OUTPUTS)
+            try:
+                ref, _, ref_rounds = run(ids, False, assistant=kind, assistant_config=config, **kw, **FULL_OUTPUTS)
+            except Exception as exc:  # noqa: BLE001 - 5.15.1's own loop crashes in some all-accepted rounds
+                failed = exc
+            else:
+                failed = None
+        if failed is not None:  # then the flag must fail the same way
+            with self.assertRaises(type(failed)) as caught:
+                run(ids, True, assistant=kind, assistant_config=config, **kw, **FULL_OUTPUTS)
+            self.assertEqual(str(caught.exception), str(failed))
+            return
         on, _, _ = run(ids, True, assistant=kind, assistant_config=config, **kw, **FULL_OUTPUTS)
         assert_same(self, ref, on, "flag on")
         new_tokens = ref["output"].sequences.shape[1] - ids.shape[1]

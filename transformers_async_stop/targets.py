@@ -370,13 +370,16 @@ SHORTCUTS: tuple[Shortcut, ...] = (
         why="the verify loop, ported: acceptance on the device, one read per round",
     ),
     Shortcut(
-        "assisted decoding loop (5.16-5.17)",
+        "assisted decoding loop (5.15-5.17)",
         (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
          f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
         {f"{_GEN}:GenerationMixin._assisted_decoding": {"d627364536c0": "5.15.1-5.17.0"},
          f"{_GEN}:_speculative_sampling": {"b082a94a87a4": "5.15.1-5.17.0"},
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"eb47726dea03": "5.16.1-5.23.0"}},
-        "assisted.loop.run", present="5.16-5.17",
+         # 5.15 crops the assistant's cache by a relative count, 5.16+ to an absolute length: the same cut where
+         # the draft loop leaves stock's cache length, which the deferred draft does (its extra token is undone)
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"9211559f01ef": "5.15.1",
+                                                                      "eb47726dea03": "5.16.1-5.23.0"}},
+        "assisted.loop.run", present="5.15-5.17",
         why="the verify loop, ported: acceptance on the device, one read per round",
     ),
     Shortcut(

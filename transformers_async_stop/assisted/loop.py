@@ -75,7 +75,7 @@ PORTS = (
     _port("assisted decoding loop (5.4)", **dict(_LATER, static_by_type=False)),
     _port("assisted decoding loop (5.5-5.13)", **_LATER),
     _port("assisted decoding loop (5.14)", **dict(_RECORDING, crop_positive_only=True)),
-    _port("assisted decoding loop (5.16-5.17)", **_RECORDING),
+    _port("assisted decoding loop (5.15-5.17)", **_RECORDING),
     _port("assisted decoding loop (5.18-5.23)", **dict(_RECORDING, done_candidate=False, eos_cut=True)),
 )
 
@@ -132,7 +132,7 @@ class FoldedCriteria:
 def run(model, port: Port, candidate_generator, input_ids, logits_processor, stopping_criteria, generation_config,
         streamer, model_kwargs):
     """Copied from transformers `GenerationMixin._assisted_decoding`: v4.57.6, v5.0.0 (= v5.1.0), v5.2.0, v5.3.0,
-    v5.4.0, v5.5.4-v5.13.1 (v5.8 adds only the MTP generator's branches), v5.14.1, v5.17.0 (= v5.16.1) and v5.23.0
+    v5.4.0, v5.5.4-v5.13.1 (v5.8 adds only the MTP generator's branches), v5.14.1, v5.17.0 (= v5.15.1-v5.16.1) and v5.23.0
     (= v5.18.0-v5.22.2 but for one annotation), per `port`, from the candidate generator on (the caller made it as
     stock does). Differences:
     - acceptance on the device (`acceptance.select` / `speculative` / `accepted_length`), then one read per round
