@@ -216,6 +216,43 @@ _SC = "transformers.generation.stopping_criteria"
 _CU = "transformers.cache_utils"
 _CG = "transformers.generation.candidate_generator"
 
+
+# The verify loop of assisted decoding, ported per release (`assisted/loop.py` PORTS, one port per row): the port's
+# name, then the digests of `_assisted_decoding`, `_speculative_sampling` and the assistant's
+# `_update_past_and_masks` it was read against, and the releases it is taken on.
+_SPEC_OLD = {"f51c59e9372d": "4.57.6-5.13.1"}
+_PAST_OLD, _PAST_MID, _PAST_NEW = ({"984a60ce5cd1": "4.57.6-5.1.0"}, {"8fbfdda00362": "5.2.0-5.14.1"},
+                                   {"eb47726dea03": "5.16.1-5.23.0"})
+_ASSISTED_LOOP_ROWS = (
+    ("4.57", {"6227f5c094f8": "4.57.6"}, _SPEC_OLD, _PAST_OLD, "4.57-4.57"),
+    ("5.0-5.1", {"9eeeb5007e6d": "5.0.0-5.1.0"}, _SPEC_OLD, _PAST_OLD, "5.0-5.1"),
+    ("5.2", {"4786665e55c5": "5.2.0"}, _SPEC_OLD, _PAST_MID, "5.2-5.2"),
+    ("5.3", {"b3dfb4e24c35": "5.3.0"}, _SPEC_OLD, _PAST_MID, "5.3-5.3"),
+    ("5.4", {"e12140a3c41b": "5.4.0"}, _SPEC_OLD, _PAST_MID, "5.4-5.4"),
+    # 5.8 adds only the branches of generators that need the target's outputs (MTP), which run stock
+    ("5.5-5.13", {"59e195d258ad": "5.5.4-5.7.0", "e1b14346aee8": "5.8.1-5.13.1"}, _SPEC_OLD, _PAST_MID, "5.5-5.13"),
+    ("5.14", {"9475d1c4bcc0": "5.14.1"}, {"ad6f066d0688": "5.14.1"}, _PAST_MID, "5.14-5.14"),
+    # 5.15 crops the assistant's cache by a relative count, 5.16+ to an absolute length: the same cut where the
+    # draft loop leaves stock's cache length, which the deferred draft does (its extra token is undone)
+    ("5.15-5.17", {"d627364536c0": "5.15.1-5.17.0"}, {"b082a94a87a4": "5.15.1-5.17.0"},
+     {"9211559f01ef": "5.15.1", **_PAST_NEW}, "5.15-5.17"),
+    # 5.18.0-5.22.2 differ from 5.23.0 only in the annotation and docstring of `inputs_tensor`
+    ("5.18-5.23", {"0f204ece31d0": "5.18.0-5.22.2", "34ef66021aba": "5.23.0"}, {"51a96b7a06b5": "5.18.0-5.23.0"},
+     _PAST_NEW, "5.18+"),
+)
+_ASSISTED_LOOPS = tuple(
+    Shortcut(
+        f"assisted decoding loop ({name})",
+        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
+        {f"{_GEN}:GenerationMixin._assisted_decoding": loop, f"{_GEN}:_speculative_sampling": speculative,
+         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": past},
+        "assisted.loop.run", present=present,
+        why="the verify loop, ported: acceptance on the device, one read per round",
+    )
+    for name, loop, speculative, past, present in _ASSISTED_LOOP_ROWS
+)
+
 SHORTCUTS: tuple[Shortcut, ...] = (
     Shortcut(
         "LogitsProcessorList.__call__", (f"{_LP}:LogitsProcessorList.__call__",),
@@ -299,100 +336,7 @@ SHORTCUTS: tuple[Shortcut, ...] = (
         present="5.5+",
     ),
     # --- assisted decoding and prompt lookup (assisted/) -----------------------------------------------------
-    Shortcut(
-        "assisted decoding loop (4.57)",
-        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
-        {f"{_GEN}:GenerationMixin._assisted_decoding": {"6227f5c094f8": "4.57.6"},
-         f"{_GEN}:_speculative_sampling": {"f51c59e9372d": "4.57.6-5.13.1"},
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"984a60ce5cd1": "4.57.6-5.1.0"}},
-        "assisted.loop.run", present="4.57-4.57",
-        why="the verify loop, ported: acceptance on the device, one read per round",
-    ),
-    Shortcut(
-        "assisted decoding loop (5.0-5.1)",
-        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
-        {f"{_GEN}:GenerationMixin._assisted_decoding": {"9eeeb5007e6d": "5.0.0-5.1.0"},
-         f"{_GEN}:_speculative_sampling": {"f51c59e9372d": "4.57.6-5.13.1"},
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"984a60ce5cd1": "4.57.6-5.1.0"}},
-        "assisted.loop.run", present="5.0-5.1",
-        why="the verify loop, ported: acceptance on the device, one read per round",
-    ),
-    Shortcut(
-        "assisted decoding loop (5.2)",
-        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
-        {f"{_GEN}:GenerationMixin._assisted_decoding": {"4786665e55c5": "5.2.0"},
-         f"{_GEN}:_speculative_sampling": {"f51c59e9372d": "4.57.6-5.13.1"},
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"8fbfdda00362": "5.2.0-5.14.1"}},
-        "assisted.loop.run", present="5.2-5.2",
-        why="the verify loop, ported: acceptance on the device, one read per round",
-    ),
-    Shortcut(
-        "assisted decoding loop (5.3)",
-        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
-        {f"{_GEN}:GenerationMixin._assisted_decoding": {"b3dfb4e24c35": "5.3.0"},
-         f"{_GEN}:_speculative_sampling": {"f51c59e9372d": "4.57.6-5.13.1"},
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"8fbfdda00362": "5.2.0-5.14.1"}},
-        "assisted.loop.run", present="5.3-5.3",
-        why="the verify loop, ported: acceptance on the device, one read per round",
-    ),
-    Shortcut(
-        "assisted decoding loop (5.4)",
-        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
-        {f"{_GEN}:GenerationMixin._assisted_decoding": {"e12140a3c41b": "5.4.0"},
-         f"{_GEN}:_speculative_sampling": {"f51c59e9372d": "4.57.6-5.13.1"},
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"8fbfdda00362": "5.2.0-5.14.1"}},
-        "assisted.loop.run", present="5.4-5.4",
-        why="the verify loop, ported: acceptance on the device, one read per round",
-    ),
-    Shortcut(
-        "assisted decoding loop (5.5-5.13)",
-        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
-        {f"{_GEN}:GenerationMixin._assisted_decoding": {"59e195d258ad": "5.5.4-5.7.0", "e1b14346aee8": "5.8.1-5.13.1"},
-         f"{_GEN}:_speculative_sampling": {"f51c59e9372d": "4.57.6-5.13.1"},
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"8fbfdda00362": "5.2.0-5.14.1"}},
-        "assisted.loop.run", present="5.5-5.13",
-        why="the verify loop, ported: acceptance on the device, one read per round",
-    ),
-    Shortcut(
-        "assisted decoding loop (5.14)",
-        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
-        {f"{_GEN}:GenerationMixin._assisted_decoding": {"9475d1c4bcc0": "5.14.1"},
-         f"{_GEN}:_speculative_sampling": {"ad6f066d0688": "5.14.1"},
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"8fbfdda00362": "5.2.0-5.14.1"}},
-        "assisted.loop.run", present="5.14-5.14",
-        why="the verify loop, ported: acceptance on the device, one read per round",
-    ),
-    Shortcut(
-        "assisted decoding loop (5.15-5.17)",
-        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
-        {f"{_GEN}:GenerationMixin._assisted_decoding": {"d627364536c0": "5.15.1-5.17.0"},
-         f"{_GEN}:_speculative_sampling": {"b082a94a87a4": "5.15.1-5.17.0"},
-         # 5.15 crops the assistant's cache by a relative count, 5.16+ to an absolute length: the same cut where
-         # the draft loop leaves stock's cache length, which the deferred draft does (its extra token is undone)
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"9211559f01ef": "5.15.1",
-                                                                      "eb47726dea03": "5.16.1-5.23.0"}},
-        "assisted.loop.run", present="5.15-5.17",
-        why="the verify loop, ported: acceptance on the device, one read per round",
-    ),
-    Shortcut(
-        "assisted decoding loop (5.18-5.23)",
-        (f"{_GEN}:GenerationMixin._assisted_decoding", f"{_GEN}:_speculative_sampling",
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks"),
-        # 5.18.0-5.22.2 differ from 5.23.0 only in the annotation and docstring of `inputs_tensor`
-        {f"{_GEN}:GenerationMixin._assisted_decoding": {"0f204ece31d0": "5.18.0-5.22.2", "34ef66021aba": "5.23.0"},
-         f"{_GEN}:_speculative_sampling": {"51a96b7a06b5": "5.18.0-5.23.0"},
-         f"{_CG}:AssistedCandidateGenerator._update_past_and_masks": {"eb47726dea03": "5.16.1-5.23.0"}},
-        "assisted.loop.run", present="5.18+",
-        why="the verify loop, ported: acceptance on the device, one read per round",
-    ),
+    *_ASSISTED_LOOPS,
     Shortcut(
         "MaxTimeCriteria.__call__", (f"{_SC}:MaxTimeCriteria.__call__",),
         {f"{_SC}:MaxTimeCriteria.__call__": {
