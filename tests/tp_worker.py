@@ -90,6 +90,11 @@ def main(checkpoint: str, results_dir: str) -> None:
         report["syncs_flag"] = syncs_per_step(model, ids, mask, async_stopping_criteria=True)
     with open(os.path.join(results_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(report, fh)
+    # transformers opened the process group (tp_plan="auto"); left open, gloo's threads can outlive the interpreter
+    # and abort the rank at exit ("terminate called without an active exception"), seen once on a loaded 2-core CI
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
