@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import unittest
 
+import pytest
 import torch
 import torch._dynamo
 from parameterized import parameterized
@@ -43,6 +44,7 @@ def _forward_inputs(model, encoder_decoder: bool):
 
 class NoGraphBreaksFromImport(unittest.TestCase):
     @parameterized.expand([("llama",), ("gpt2",), ("qwen2",), ("mistral",), ("bart",)])
+    @pytest.mark.core
     def test_explain_counts_the_same_graph_breaks_as_stock(self, family):
         encoder_decoder = family in ("t5", "bart")
         model = build_encoder_decoder(family, attn="sdpa") if encoder_decoder else build(family)
@@ -54,6 +56,7 @@ class NoGraphBreaksFromImport(unittest.TestCase):
             self.assertEqual(patched, expected, f"graph breaks with the package applied ({sorted(inputs)})")
 
     @parameterized.expand([("llama",), ("mistral",)])
+    @pytest.mark.core
     def test_generate_with_a_fullgraph_compiled_forward_equals_stock(self, family):
         model = build(family)
         ids, mask = prompt(batch=3, left_pad=True)
