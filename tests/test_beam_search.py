@@ -176,7 +176,7 @@ class FinishedBeamsSurviveTheExtraStep(unittest.TestCase):
         topk_sequences = torch.ones(batch, 2 * beams, length, dtype=torch.long)
         topk_log_probs = torch.zeros(batch, 2 * beams)  # better than every old score
         topk_beam_indices = torch.zeros(batch, 2 * beams, length - 2, dtype=torch.int32)
-        state = CallState(model, user_cache=False, slice_inputs=True)
+        state = CallState(user_cache=False, slice_inputs=True)
         state.ctl = SimpleNamespace(extra=extra)
         token = CALL.set(state)
         try:

@@ -116,7 +116,7 @@ class MovedCopiesKeepTheSummary(unittest.TestCase):
 
         state = None
         if inside_generate:
-            state = CallState(None, user_cache=False, slice_inputs=True)
+            state = CallState(user_cache=False, slice_inputs=True)
             state.fed_mask = weakref.ref(self.fed_mask)
         token = CALL.set(state)
         try:

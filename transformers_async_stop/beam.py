@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from .cache_rollback import loop_cache, rollback_one_step, why_not_rollbackable
+from .cache_rollback import loop_cache, why_not_rollbackable
 from .call_state import CALL, active_controller, compiling
 from .config import _mark, runs_stock
 from .controller import AsyncStop
-from .generation import cache_is_returned, cache_out_of_sight, trim_recorded
+from .generation import cache_is_returned, cache_out_of_sight, rollback_loop_cache, trim_recorded
 from .step_lists import ExtraStepCriteria, JoiningLogitsProcessors
 
 
@@ -75,10 +75,7 @@ def patched_beam_search(original, target):
         if steps and not isinstance(outputs, torch.Tensor):
             trim_recorded(outputs, steps)  # the finished beams themselves were kept
         if steps and returned:
-            cache = None if isinstance(outputs, torch.Tensor) else getattr(outputs, "past_key_values", None)
-            cache = loop_cache(model_kwargs) if cache is None else cache
-            if cache is not None and why_not_rollbackable(cache) is None:
-                rollback_one_step(cache, ctl.kept_cache_length)
+            rollback_loop_cache(ctl, outputs, model_kwargs)
         return outputs
 
     return _mark(_beam_search, original)

@@ -19,17 +19,14 @@ import torch
 class CallState:
     """What the package's wrappers share during one `generate()` call."""
 
-    __slots__ = ("user_cache", "slice_inputs", "fed_mask", "ctl", "beam", "model", "kwargs_update", "assisted",
-                 "drafting", "draft")
+    __slots__ = ("user_cache", "slice_inputs", "fed_mask", "ctl", "kwargs_update", "assisted", "drafting", "draft")
 
-    def __init__(self, model, user_cache: bool, slice_inputs: bool):
+    def __init__(self, user_cache: bool, slice_inputs: bool):
         outer = CALL.get()
-        self.model = model
         self.user_cache = user_cache  # the caller passed `past_key_values`: the cache outlives the call
         self.slice_inputs = slice_inputs  # no user `cache_position`: inputs.py may slice by host lengths
         self.fed_mask = None  # weakref to the tagged mask generate() feeds the model now (masking.py)
         self.ctl = None  # the AsyncStop controller of a deferred decoding loop
-        self.beam = None  # the BeamLag of a deferred beam search
         self.kwargs_update = None  # the deferred loop's `_update_model_kwargs_for_generation` (kwargs_update.py)
         # assisted decoding (assisted/): the call's per-call state, and the draft run its assistant's generate() is
         # inside of right now (set only around that call, so a generate() in a processor or criterion gets none)
@@ -41,10 +38,6 @@ class CallState:
 
 CALL: contextvars.ContextVar[CallState | None] = contextvars.ContextVar("transformers_async_stop_call",
                                                                        default=None)
-
-
-def current() -> CallState | None:
-    return CALL.get()
 
 
 def active_controller():

@@ -101,10 +101,7 @@ class AsyncStop:
         self.read = 0  # steps whose verdict the host has read
         self.last_length = input_ids.shape[-1]
         self.extra = False  # the step running now is the one the flag-off run never made
-        self.stopped_on_verdict = False  # a verdict read at once (no extra step) said "all finished"
         self.overran = False  # an exception left the loop after a step stock never reached had run its forward
-        self._in_join = False
-        self.steps_to_undo = 0
         self.room = None  # positions a fixed-size returned cache can hold, if fewer than max_length
         self.synchronous = False  # read each verdict at once (a returned cache that cannot give a step back)
         self.cache_seen = False
@@ -139,11 +136,6 @@ class AsyncStop:
             torch.cuda.set_device(self._home)
         self._on_side = False
 
-    def adopt(self, made_on_side: torch.Tensor) -> None:
-        """A tensor made on the side stream and used next on the main stream (`unfinished_sequences`)."""
-        if self._on_side:
-            made_on_side.record_stream(self.main)
-
     # -- the verdict -------------------------------------------------------------------------------------------
     def record(self, verdict: torch.Tensor, tokens: torch.Tensor | None, length: int) -> bool:
         """End of a step: copy its verdict (a device tensor) and tokens to pinned memory; whether to stop now.
@@ -151,6 +143,9 @@ class AsyncStop:
         Stops now only where stock stops at this same step without a device read (`max_length`), where the host
         already knows this step is the extra one, or where the verdict has to be read at once.
         """
+        if self._on_side:
+            # made on the side stream, used next on the main one (`unfinished_sequences`)
+            verdict.record_stream(self.main)
         if self.extra:
             if self._on_side:
                 self._to_main()
@@ -187,8 +182,7 @@ class AsyncStop:
         if self.synchronous or (self.room is not None and length > self.room):
             # no extra step allowed: read this verdict now, as stock does (a fixed-size cache with no room for
             # another position, or a returned cache that cannot give one back)
-            self.stopped_on_verdict = self._read(self.steps - 1)
-            return self.stopped_on_verdict
+            return self._read(self.steps - 1)
         self.rng.snapshot()
         return False
 
@@ -196,13 +190,8 @@ class AsyncStop:
         """At a step's logits processors: the main stream waits for the previous step's side-stream work, and the
         host reads the previous step's verdict. True: the flag-off run stopped there, this step is the extra one."""
         self.wait_pending()
-        if self.read < self.steps:
-            self._in_join = True
-            try:
-                if self._read(self.steps - 1):
-                    self.extra = True
-            finally:
-                self._in_join = False
+        if self.read < self.steps and self._read(self.steps - 1, in_join=True):
+            self.extra = True
         return self.extra
 
     def wait_pending(self) -> None:
@@ -211,8 +200,9 @@ class AsyncStop:
             self.main.wait_event(self._pending)
             self._pending = None
 
-    def _read(self, step: int) -> bool:
-        """Wait for `step`'s copies, stream its tokens, and return whether its verdict says "all finished"."""
+    def _read(self, step: int, in_join: bool = False) -> bool:
+        """Wait for `step`'s copies, stream its tokens, and return whether its verdict says "all finished".
+        `in_join`: read at the next step's processors, after that step's forward was queued."""
         slot = step & 1
         if self.cuda:
             self._done[slot].synchronize()  # the run-ahead is bounded here, to about one step
@@ -223,7 +213,7 @@ class AsyncStop:
             except BaseException:
                 # stock streams these tokens at the end of their own step: if the streamer raises, the next
                 # step's forward has already run here, and is undone like an extra step (`abort`)
-                self.overran = self._in_join
+                self.overran = in_join
                 raise
         value = self._views[slot].tolist()  # a Python int or list: cheaper to test than a numpy reduction
         if self._done_when == "unfinished":
@@ -258,19 +248,21 @@ class AsyncStop:
         self.close()
         if self.peers is not None:
             self.peers.drain()
-        self.steps_to_undo = 1 if self.extra else 0
         if self.read < self.steps and not self.extra:
             self._read(self.steps - 1)  # the last step's tokens (stopped at max_length)
         if self.cuda:
             for event in self._done:
                 event.synchronize()
-        if self.steps_to_undo:
+        if self.extra:
             self.rng.restore()
-        return self.steps_to_undo
+        return 1 if self.extra else 0
 
     def abort(self) -> None:
         """An exception left the loop: stream the tokens stock had streamed before it, give back the random draws
-        of a step stock never reached, leave the streams as found."""
+        of a step stock never reached, leave the streams as found; the loop's stop check (5.17+) first leaves a
+        returned cache as stock leaves it."""
+        if self.deferred_check is not None:
+            self.deferred_check.abort()
         self.close()
         if self.read < self.steps and not self.extra and self._tokens is not None:
             self._read(self.steps - 1)

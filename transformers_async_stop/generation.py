@@ -33,7 +33,7 @@ def patched_generate(original, target):
         if FIELD in kwargs:
             check_flag(kwargs[FIELD])
         # a fresh state for this call, also when it runs inside another generate()'s processor or criterion
-        token = CALL.set(CallState(self, user_cache=kwargs.get("past_key_values") is not None,
+        token = CALL.set(CallState(user_cache=kwargs.get("past_key_values") is not None,
                                    slice_inputs="cache_position" not in kwargs))
         try:
             return original(self, *args, **kwargs)
@@ -88,12 +88,13 @@ def cache_out_of_sight(model, generation_config, model_kwargs) -> str | None:
 
 
 def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | None:
-    if not _route_a():
+    route_a = _route_a()
+    if not route_a:
         reason = cache_out_of_sight(model, generation_config, model_kwargs)
         if reason is not None:
             return reason
     if synced_gpus:
-        if not _route_a():
+        if not route_a:
             # 4.57-5.16 test the loop's device-tensor verdict on the host for `continue`: a sync we cannot remove
             return "`synced_gpus=True` is made async on transformers 5.17+ only"
         if cache_is_returned(generation_config, model_kwargs):
@@ -102,7 +103,7 @@ def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | Non
             return "`synced_gpus=True` with a returned cache is not made async"
     cache = loop_cache(model_kwargs)
     if cache is not None and cache_is_returned(generation_config, model_kwargs):
-        return cache_blocks_deferral(cache, _route_a())
+        return cache_blocks_deferral(cache, route_a)
     return None
 
 
@@ -112,10 +113,12 @@ def patched_sample(original, target):
         state = CALL.get()
         # an assistant's draft inside a deferred assisted call (assisted/draft.py): its own controller and criteria
         draft = state.draft if state is not None else None
-        if state is None or state.ctl is not None or runs_stock(
-                generation_config, input_ids.device,
-                lambda: _why_stock(self, generation_config, synced_gpus, model_kwargs) if draft is None
-                else draft.why_stock(_why_stock(self, generation_config, synced_gpus, model_kwargs))):
+
+        def why_stock():
+            reason = _why_stock(self, generation_config, synced_gpus, model_kwargs)
+            return reason if draft is None else draft.why_stock(reason)
+
+        if state is None or state.ctl is not None or runs_stock(generation_config, input_ids.device, why_stock):
             # no generate() of ours around this call (a direct `_sample` call), or one loop already runs in it
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
@@ -136,8 +139,6 @@ def patched_sample(original, target):
                                SideStreamCriteria(stopping_criteria, ctl), generation_config,
                                synced_gpus=synced_gpus, streamer=loop_streamer, **model_kwargs)
         except BaseException:
-            if ctl.deferred_check is not None:
-                ctl.deferred_check.abort()
             ctl.abort()
             raise
         finally:
@@ -163,7 +164,6 @@ def patched_has_unfinished_sequences(original, target):
             return not ctl.peers.done(ctl, this_peer_finished)
         if isinstance(this_peer_finished, torch.Tensor):
             # 4.57-5.16 call this once per step with the step's verdict as a device tensor
-            ctl.adopt(this_peer_finished)
             return not ctl.record(this_peer_finished, None, ctl.last_length + 1)
         return not this_peer_finished  # the call before the first step
 
@@ -175,15 +175,20 @@ def _undo_route_b(ctl: AsyncStop, outputs, model_kwargs):
     steps = ctl.finish()
     if not steps:
         return outputs
-    cache = None if isinstance(outputs, torch.Tensor) else getattr(outputs, "past_key_values", None)
-    cache = loop_cache(model_kwargs) if cache is None else cache
-    if cache is not None and why_not_rollbackable(cache) is None:
-        rollback_one_step(cache, ctl.kept_cache_length)
+    rollback_loop_cache(ctl, outputs, model_kwargs)
     if isinstance(outputs, torch.Tensor):
         return outputs[..., :-steps]
     outputs.sequences = outputs.sequences[..., :-steps]
     trim_recorded(outputs, steps)
     return outputs
+
+
+def rollback_loop_cache(ctl: AsyncStop, outputs, model_kwargs) -> None:
+    """Give the loop's cache (returned, or in `model_kwargs`) back the undone extra step, where it can."""
+    cache = None if isinstance(outputs, torch.Tensor) else getattr(outputs, "past_key_values", None)
+    cache = loop_cache(model_kwargs) if cache is None else cache
+    if cache is not None and why_not_rollbackable(cache) is None:
+        rollback_one_step(cache, ctl.kept_cache_length)
 
 
 def trim_recorded(outputs, steps: int) -> None:

@@ -135,7 +135,20 @@ def _eos_takes_length() -> bool:
     return "new_token_length" in inspect.signature(EosTokenCriteria.__call__).parameters
 
 
-class SideStreamCriteria(StoppingCriteriaList):
+class _CallCriteria(StoppingCriteriaList):
+    """The call's stopping criteria, bound to its controller; `max_length` stays the one the list was built with."""
+
+    def __init__(self, criteria: StoppingCriteriaList, ctl):
+        super().__init__(criteria)
+        self._ctl = ctl
+        self._max_length = criteria.max_length
+
+    @property
+    def max_length(self):
+        return self._max_length
+
+
+class SideStreamCriteria(_CallCriteria):
     """The call's stopping criteria, run on the controller's side stream; none runs in the extra step.
 
     Copied from transformers v4.57.6-v5.23.0 `StoppingCriteriaList.__call__`. Differences:
@@ -148,14 +161,8 @@ class SideStreamCriteria(StoppingCriteriaList):
     """
 
     def __init__(self, criteria: StoppingCriteriaList, ctl):
-        super().__init__(criteria)
-        self._ctl = ctl
-        self._max_length = criteria.max_length
+        super().__init__(criteria, ctl)
         self._plan = [(c, _plan_criterion(c)) for c in criteria] if matches("StoppingCriteriaList.__call__") else None
-
-    @property
-    def max_length(self):
-        return self._max_length
 
     def __call__(self, input_ids, scores, **kwargs):
         ctl = self._ctl
@@ -191,17 +198,8 @@ class SideStreamCriteria(StoppingCriteriaList):
         return is_done
 
 
-class ExtraStepCriteria(StoppingCriteriaList):
+class ExtraStepCriteria(_CallCriteria):
     """Beam search's criteria (run in line, on the main stream): none runs in the extra step."""
-
-    def __init__(self, criteria: StoppingCriteriaList, ctl):
-        super().__init__(criteria)
-        self._ctl = ctl
-        self._max_length = criteria.max_length
-
-    @property
-    def max_length(self):
-        return self._max_length
 
     def __call__(self, input_ids, scores, **kwargs):
         if self._ctl.extra:

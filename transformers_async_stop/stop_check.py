@@ -58,7 +58,6 @@ def patched_deferred_class(original, target):
             ctl = self._ctl
             if ctl is None:
                 return super().__call__(unfinished_sequences, tokens, length)
-            ctl.adopt(unfinished_sequences)
             stopping = ctl.record(unfinished_sequences, tokens, length)
             if not stopping and self._recorded:
                 self.cache.crop(0)  # upstream: trim the recorded past back to the window
@@ -70,11 +69,7 @@ def patched_deferred_class(original, target):
                 return super().finish()
             steps_to_undo = ctl.finish()
             if self.cache is not None:
-                if self._recorded:
-                    self.cache.crop(-steps_to_undo)
-                    self._stop_recording()
-                elif steps_to_undo:
-                    rollback_one_step(self.cache, ctl.kept_cache_length)
+                self._undo(steps_to_undo)
             return steps_to_undo
 
         def abort(self):
@@ -83,11 +78,15 @@ def patched_deferred_class(original, target):
             ctl = self._ctl
             if ctl is None or self.cache is None:
                 return
+            self._undo(1 if ctl.overran else 0)
+
+        def _undo(self, steps: int):
+            """Give the returned cache back the last `steps` (0 or 1) steps and stop recording its past."""
             if self._recorded:
-                self.cache.crop(-1 if ctl.overran else 0)
+                self.cache.crop(-steps)
                 self._stop_recording()
-            elif ctl.overran:
-                rollback_one_step(self.cache, ctl.kept_cache_length)
+            elif steps:
+                rollback_one_step(self.cache, self._ctl.kept_cache_length)
 
         def _stop_recording(self):
             # an EncoderDecoderCache has no `.layers` (upstream's finish() failed there): its decoder's do

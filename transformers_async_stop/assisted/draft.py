@@ -229,12 +229,11 @@ class DraftStop(AsyncStop):
 
     def finish(self) -> int:
         self.close()
-        self.steps_to_undo = 1 if self.extra else 0
-        if self.steps_to_undo:
+        if self.extra:
             self.rng.restore()
         if self._flags is not None:
             self._run.slots = (self._flags, self._views, getattr(self, "_done", None))
-        return self.steps_to_undo
+        return 1 if self.extra else 0
 
 
 # --- the assistant's generate() preamble ------------------------------------------------------------------------
