@@ -19,7 +19,7 @@ import torch
 class CallState:
     """What the package's wrappers share during one `generate()` call."""
 
-    __slots__ = ("user_cache", "slice_inputs", "fed_mask", "ctl", "kwargs_update", "assisted", "drafting", "draft")
+    __slots__ = ("user_cache", "slice_inputs", "fed_mask", "ctl", "assisted", "drafting", "draft")
 
     def __init__(self, user_cache: bool, slice_inputs: bool):
         outer = CALL.get()
@@ -27,7 +27,6 @@ class CallState:
         self.slice_inputs = slice_inputs  # no user `cache_position`: inputs.py may slice by host lengths
         self.fed_mask = None  # weakref to the tagged mask generate() feeds the model now (masking.py)
         self.ctl = None  # the AsyncStop controller of a deferred decoding loop
-        self.kwargs_update = None  # the deferred loop's `_update_model_kwargs_for_generation` (kwargs_update.py)
         # assisted decoding (assisted/): the call's per-call state, and the draft run its assistant's generate() is
         # inside of right now (set only around that call, so a generate() in a processor or criterion gets none)
         self.assisted = None
@@ -44,6 +43,12 @@ def active_controller():
     """The controller of the deferred loop of the innermost `generate()` call, or None."""
     state = CALL.get()
     return None if state is None else state.ctl
+
+
+def active_draft():
+    """The `DraftRun` of the deferred assisted call whose assistant this `generate()` drafts for, or None."""
+    state = CALL.get()
+    return None if state is None else state.draft
 
 
 def compiling() -> bool:

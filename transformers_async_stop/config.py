@@ -11,6 +11,8 @@ import functools
 import os
 import warnings
 
+from .call_state import active_draft
+
 FIELD = "async_stopping_criteria"
 FORCE_ENV = "TRANSFORMERS_ASYNC_STOP_FORCE"
 
@@ -33,7 +35,7 @@ def runs_stock(generation_config, device, why_stock) -> bool:
     synchronous, or the method's own `why_stock()` gives a reason (warned once; "" means silently)."""
     if not flag_of(generation_config):
         return True
-    if getattr(generation_config, "is_assistant", False) and not _drafts_for_a_deferred_call():
+    if getattr(generation_config, "is_assistant", False) and active_draft() is None:
         return True  # an assistant's own loop inside stock assisted decoding runs stock silently: the caller warned
     if device.type != "cuda" and not force_deferred():
         return True  # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
@@ -43,14 +45,6 @@ def runs_stock(generation_config, device, why_stock) -> bool:
     if reason:
         warn_stock(reason, stacklevel=5)
     return True
-
-
-def _drafts_for_a_deferred_call() -> bool:
-    """This loop is an assistant's draft inside a deferred assisted call (assisted/draft.py): it runs deferred too."""
-    from .call_state import CALL
-
-    state = CALL.get()
-    return state is not None and state.draft is not None
 
 
 def force_deferred() -> bool:

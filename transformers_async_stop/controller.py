@@ -106,6 +106,7 @@ class AsyncStop:
         self.synchronous = False  # read each verdict at once (a returned cache that cannot give a step back)
         self.cache_seen = False
         self.planned = False  # the per-call plans that need the model and its cache were made (masking.py)
+        self.kwargs_update = None  # the loop's lean `_update_model_kwargs_for_generation` (kwargs_update.py)
         self._on_side = False
         self._pending = None  # the side stream's last event, not yet waited for by the main stream
         self._warned: set[str] = set()
@@ -222,12 +223,12 @@ class AsyncStop:
             return bool(value)
         return not value  # "running"
 
-    def see_cache(self, cache, route_a: bool) -> None:
+    def see_cache(self, cache) -> None:
         """The loop's cache, once it exists (after prefill): the room it has, and whether it can give a step back."""
         if not self._first_sight(cache):
             return
         if self.cache_returned and not self.synchronous and self.steps == 0:
-            reason = cache_blocks_deferral(cache, route_a)
+            reason = cache_blocks_deferral(cache, self.route_a)
             if reason is not None:
                 self.synchronous = True
                 warn_stock(reason)

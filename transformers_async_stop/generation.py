@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
-from .call_state import CALL, CallState, active_controller, compiling
+from .call_state import CALL, CallState, active_controller, active_draft, compiling
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
 from .controller import AsyncStop
 from .patching import MARKER
@@ -112,7 +112,7 @@ def patched_sample(original, target):
                 streamer=None, **model_kwargs):
         state = CALL.get()
         # an assistant's draft inside a deferred assisted call (assisted/draft.py): its own controller and criteria
-        draft = state.draft if state is not None else None
+        draft = active_draft()
 
         def why_stock():
             reason = _why_stock(self, generation_config, synced_gpus, model_kwargs)

@@ -18,8 +18,8 @@ accelerate moves its inputs to its main device at every forward (`AlignDevicesHo
 tensor. During `generate()`, a mask with the same shape and dtype as the one `generate()` is feeding, on another
 device, is that copy and shares its tag.
 
-Under torch.compile or export every wrapper here returns the original's answer before it looks at a tensor
-attribute or the call state (`call_state.compiling`), so importing the package changes no traced graph. Nothing
+Under torch.compile or export every wrapper here that can run inside a forward returns the original's answer before
+it looks at a tensor attribute or the call state (`call_state.compiling`), so importing the package changes no traced graph. Nothing
 here allocates per step: the stand-in is one CPU buffer per call, updated in place.
 """
 
@@ -45,7 +45,7 @@ class MaskSummary:
     `columns` is a (2, prompt_length) CPU bool tensor: row 0 = column is all True, row 1 = column has a True.
     """
 
-    __slots__ = ("columns", "prompt_length", "batch_size", "_buffer", "_valid", "_views")
+    __slots__ = ("columns", "prompt_length", "batch_size", "_buffer", "_valid", "_view", "_view_length")
 
     def __init__(self, mask: torch.Tensor):
         as_bool = mask.to(torch.bool)
@@ -55,7 +55,8 @@ class MaskSummary:
         self.batch_size = mask.shape[0]
         self._buffer = None  # the stand-in's storage, (2, capacity), grown rarely
         self._valid = 0  # columns of `_buffer` that hold the prompt or ones; zeros after
-        self._views = {}  # total_length -> a view of `_buffer`
+        # the last view handed out, reused while the total length stays (a static cache); a dynamic cache grows it
+        self._view, self._view_length = None, -1
 
     def stand_in(self, valid_length: int, total_length: int) -> torch.Tensor | None:
         """(2, total_length) CPU stand-in: prompt columns, ones up to valid_length, zero padding after."""
@@ -68,15 +69,14 @@ class MaskSummary:
             capacity = max(width, 2 * (0 if buffer is None else buffer.shape[1]), self.prompt_length + 128)
             buffer = self._buffer = torch.zeros((2, capacity), dtype=torch.bool)
             buffer[:, : self.prompt_length] = self.columns
-            self._valid, self._views = self.prompt_length, {}
+            self._valid, self._view_length = self.prompt_length, -1
         if valid_length != self._valid:
             low, high = sorted((self._valid, valid_length))
             buffer[:, low:high] = valid_length > self._valid
             self._valid = valid_length
-        view = self._views.get(total_length)
-        if view is None:
-            view = self._views[total_length] = buffer[:, :total_length]
-        return view
+        if self._view_length != total_length:
+            self._view, self._view_length = buffer[:, :total_length], total_length
+        return self._view
 
 
 def _tag(tensor, summary: MaskSummary, valid_length: int) -> None:
@@ -118,8 +118,8 @@ def patched_update_model_kwargs(original, target):
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs, *args, **kwargs):
         before = model_kwargs.get("attention_mask")
         state = CALL.get()
-        lean = state.kwargs_update if state is not None and state.ctl is not None else None
-        if lean is not None and not args and kwargs.get("num_new_tokens", 1) == 1 and set(kwargs) <= _LEAN_KWARGS:
+        lean = state.ctl.kwargs_update if state is not None and state.ctl is not None else None
+        if lean is not None and not args and kwargs.get("num_new_tokens", 1) == 1 and kwargs.keys() <= _LEAN_KWARGS:
             updated = lean(outputs, model_kwargs, kwargs.get("is_encoder_decoder", False))
         else:
             updated = original(self, outputs, model_kwargs, *args, **kwargs)
@@ -129,11 +129,10 @@ def patched_update_model_kwargs(original, target):
         if ctl is not None and not ctl.planned:
             ctl.planned = True  # after the first forward: the loop's cache exists now
             cache = loop_cache(updated)
-            ctl.see_cache(cache, ctl.route_a)
+            ctl.see_cache(cache)
             if cache is not None and static_mask.register(self, cache, ctl.device):
                 ctl.cleanups.append(lambda: static_mask.release(cache))
-            state.kwargs_update = KwargsUpdate.for_model(self)
-            ctl.cleanups.append(lambda: setattr(state, "kwargs_update", None))
+            ctl.kwargs_update = KwargsUpdate.for_model(self)
         after = updated.get("attention_mask")
         if (
             isinstance(before, torch.Tensor)

@@ -119,7 +119,7 @@ def release(cache) -> None:
 def patched_create_masks_for_generate(original, target):
     def create_masks_for_generate(*args, **kwargs):
         # `prepare_inputs_for_generation` passes keywords only (5.17+: `inputs_embeds`; older: `input_embeds`)
-        if _PLANS and not args and not compiling():
+        if not compiling() and _PLANS and not args:
             plan = _plan_of(kwargs.get("past_key_values"))
             if (plan is not None and kwargs.get("or_mask_function") is None
                     and kwargs.get("and_mask_function") is None and kwargs.get("block_sequence_ids") is None

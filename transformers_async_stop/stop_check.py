@@ -45,7 +45,7 @@ def patched_deferred_class(original, target):
                 return
             # `max_length` and the streamer are the ones our `_sample` wrapper gave the controller already
             ctl.deferred_check = self
-            ctl.see_cache(cache, route_a=True)
+            ctl.see_cache(cache)
             self.streamer = streamer
             self.cache = cache if cache_is_returned else None
             self._static = self.cache is not None and why_not_rollbackable(self.cache) is None and not getattr(

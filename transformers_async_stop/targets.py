@@ -13,7 +13,7 @@ drift test on all of them, see noxfile.py).
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,6 @@ class Target:
     present: str = "4.57+"  # releases it exists in: "4.57+", "4.57-5.2", "5.17+" (release = major.minor)
     required: bool = True  # missing while expected -> logged as a warning (else: info)
     why: str = ""
-    extra: dict = field(default_factory=dict)
 
     def resolve_owner(self):
         mod = importlib.import_module(self.module)

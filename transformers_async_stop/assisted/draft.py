@@ -32,7 +32,7 @@ import torch
 from transformers.generation.stopping_criteria import ConfidenceCriteria, StoppingCriteria, StoppingCriteriaList
 
 from ..cache_rollback import why_not_rollbackable
-from ..call_state import CALL, compiling
+from ..call_state import CALL, active_draft, compiling
 from ..config import _mark, warn_stock
 from ..controller import AsyncStop
 from ..masking import MaskSummary, _tag, _tag_of, _worth_it
@@ -218,7 +218,7 @@ class DraftStop(AsyncStop):
             # outer round's read waited on an event recorded after them)
             self._flags, self._views, self._done = run.slots
 
-    def see_cache(self, cache, route_a: bool) -> None:
+    def see_cache(self, cache) -> None:
         if not self._first_sight(cache):
             return
         reason = why_not_rollbackable(cache)
@@ -238,10 +238,7 @@ class DraftStop(AsyncStop):
 
 # --- the assistant's generate() preamble ------------------------------------------------------------------------
 def _draft_run():
-    if compiling():
-        return None
-    state = CALL.get()
-    return state.draft if state is not None else None
+    return None if compiling() else active_draft()
 
 
 def patched_prepare_special_tokens(original, target):
