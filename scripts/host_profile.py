@@ -19,9 +19,7 @@ host-side change can reach: a whole step captured in one graph would still pay i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
-import importlib
 import json
 import os
 import pstats
@@ -30,12 +28,13 @@ import sys
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-import transformers_async_stop as tas
-from transformers_async_stop.bench.cases import ExtraSoftmax, NeverStop  # the #43089 workload's criterion/processor
+from transformers_async_stop.bench.cases import (  # the #43089 workload's criterion/processor, the two models
+    ExtraSoftmax, NeverStop, llama_1b_config, tiny_llama_config)
+from transformers_async_stop.bench.variants import upstream_available, variant
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -63,13 +62,9 @@ WAITS = ("method 'synchronize'", "method 'item'", "method 'is_nonzero'", "_local
 def build(name):
     torch.manual_seed(0)
     if name == "tiny":
-        config = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=1, num_key_value_heads=1)
-        dtype = torch.float32
+        config, dtype = tiny_llama_config(), torch.float32
     else:
-        config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                             num_key_value_heads=8, vocab_size=128256)
-        dtype = torch.bfloat16
+        config, dtype = llama_1b_config(), torch.bfloat16
     with torch.device(DEV):
         return LlamaForCausalLM(config).to(dtype).eval()
 
@@ -90,31 +85,6 @@ def case_kwargs(case, model, n):
         kw["stopping_criteria"] = StoppingCriteriaList([NeverStop()])
         kw["logits_processor"] = LogitsProcessorList([ExtraSoftmax()])
     return kw
-
-
-@contextlib.contextmanager
-def variant(name):
-    if name in ("async", "imported"):
-        tas.apply()
-        yield {"async_stopping_criteria": name == "async"}
-        return
-    tas.unpatch()
-    try:
-        if name == "upstream":
-            cls = importlib.import_module("transformers.generation.utils").DeferredStopCheck
-            stored = vars(cls)["is_supported"]
-            original = cls.is_supported
-            cls.is_supported = staticmethod(
-                lambda device, cache, returned, is_assistant, *a, **k: not is_assistant
-                if torch.device(device).type == "cuda" else original(device, cache, returned, is_assistant, *a, **k))
-            try:
-                yield {}
-            finally:
-                cls.is_supported = stored
-        else:
-            yield {}
-    finally:
-        tas.apply()
 
 
 def timed(model, kw, flag):
@@ -247,8 +217,7 @@ def main():
         model = models[base]
         kw, kw1 = case_kwargs(case, model, args.tokens), case_kwargs(case, model, 1)
         for name in args.variants.split(","):
-            if name == "upstream" and not hasattr(importlib.import_module("transformers.generation.utils"),
-                                                  "DeferredStopCheck"):
+            if name == "upstream" and not upstream_available():
                 continue
             try:
                 with variant(name) as flag:

@@ -25,6 +25,7 @@ read each verdict at once, as stock does, with one `StockPathWarning` per call.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 
@@ -88,8 +89,7 @@ class DraftRun:
         """Route the generator's assistant `generate()` calls through this run (an attribute of this instance)."""
         generator = self.generator
         if matches(CANDIDATES):
-            digest = installed_digests(CANDIDATES)[_CANDIDATES_SOURCE]
-            merged = digest in _MERGED_ARGS
+            merged = _merges_arguments()
             generator._generate_candidates = types.MethodType(
                 lambda cg, args: _generate_candidates(cg, args, self, merged), generator)
         else:
@@ -145,6 +145,12 @@ class DraftRun:
 
 
 _CANDIDATES_SOURCE = "transformers.generation.candidate_generator:AssistedCandidateGenerator._generate_candidates"
+
+
+@functools.cache
+def _merges_arguments() -> bool:
+    """The installed `_generate_candidates` passes the merged arguments (5.0-5.2); read once, like `matches`."""
+    return installed_digests(CANDIDATES)[_CANDIDATES_SOURCE] in _MERGED_ARGS
 
 
 def _generate_candidates(self, generation_args: dict, run: DraftRun, merged: bool):

@@ -25,6 +25,7 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from ..controller import RngGuard
+from ..masking import _tag, _tag_of
 from ..verified import matches
 from . import acceptance
 from .acceptance import HEADER, RoundBox
@@ -185,6 +186,7 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
     try:
         is_first_iteration = True
         stop = False
+        zero = None
         while not stop:
             cur_len = input_ids.shape[1]
 
@@ -237,18 +239,17 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
                 tokens, n_matches, skipped = acceptance.speculative(
                     candidate_new_tokens, candidate_logits, candidate_length, new_logits, ensemble_weight,
                     is_done_candidate, rng)
-                length = acceptance.accepted_length(n_matches, tokens, None,
-                                                    generation_config.max_length - cur_len if port.budget else None,
-                                                    eos_cut)
+                is_done = None  # `speculative` applied it
             else:
                 tokens, n_matches = acceptance.select(new_logits, candidate_new_tokens, candidate_logits,
                                                       candidate_length, do_sample, ensemble_weight)
-                length = acceptance.accepted_length(n_matches, tokens, is_done_candidate,
-                                                    generation_config.max_length - cur_len if port.budget else None,
-                                                    eos_cut)
+                is_done = is_done_candidate
+            budget = generation_config.max_length - cur_len if port.budget else None
+            length = acceptance.accepted_length(n_matches, tokens, is_done, budget, eos_cut)
             eos_stop = acceptance.last_is_eos(input_ids, tokens, length, folded.eos_ids) if folded.eos_ids else None
             probs = draft.take_probs() if draft is not None else None
-            zero = length.new_zeros(())
+            if zero is None:
+                zero = length.new_zeros(())  # copied into the round's box, never written: one per call
             box.send([length, zero if eos_stop is None else eos_stop, zero if skipped is None else skipped],
                      tokens[0], None if probs is None else acceptance.probabilities_as_int64(probs))
 
@@ -323,8 +324,6 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
 
 def _tag_grown(before, after) -> None:
     """The verify's candidate mask is the call's mask followed by ones: it shares the call's mask summary."""
-    from ..masking import _tag, _tag_of
-
     if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor) or after is before:
         return
     tag = _tag_of(before)

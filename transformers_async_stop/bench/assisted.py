@@ -26,10 +26,9 @@ import weakref
 from unittest import mock
 
 import torch
-from transformers import LlamaConfig
 
 from . import gpu
-from .cases import Case, _from_config
+from .cases import Case, _from_config, llama_1b_config
 
 DRAFT_LAYERS = 2
 # random weights: a 2-layer draft of an untouched 16-layer target agrees with it on almost no token; scaled this
@@ -42,11 +41,6 @@ FIELDS = ("accept_rate", "tokens_per_round", "rounds", "syncs_per_round")
 
 _DRAFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> its draft model
 _PROMPTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # target -> (prompt length, ids)
-
-
-def llama_1b_config() -> LlamaConfig:
-    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256)
 
 
 def cases_with_prefix(prefix: str, config, new_tokens: int, prompt_len: int, dtype: str) -> dict[str, Case]:
@@ -114,11 +108,10 @@ def _echo(build):
 
 def _draft_extras(kind: str):
     def extra(run, model) -> dict:
-        key = (kind, id(model))
-        draft = _DRAFTS.get(model, {}).get(key)
+        draft = _DRAFTS.get(model, {}).get(kind)
         if draft is None:
             draft = make_draft(model, kind)
-            _DRAFTS.setdefault(model, {})[key] = draft
+            _DRAFTS.setdefault(model, {})[kind] = draft
         return dict(_no_early_stop(model), assistant_model=draft)
 
     extra.assisted = True
@@ -195,7 +188,8 @@ def acceptance(ctx, flag: dict) -> dict:
             original = cls.update_candidate_strategy
 
             def update_candidate_strategy(self, input_ids, scores, num_matches):
-                rounds.append((int(num_matches), scores.shape[1] - 1))  # a measurement: the read is fine here
+                # kept as passed (a device tensor before 5.23): read after the counted call, not inside it
+                rounds.append((num_matches, scores.shape[1] - 1))
                 return original(self, input_ids, scores, num_matches)
 
             return update_candidate_strategy
@@ -209,7 +203,7 @@ def acceptance(ctx, flag: dict) -> dict:
                 syncs, _ = gpu.count_syncs(ctx.model, kwargs, flag, ctx.device)
             else:
                 gpu.call(ctx.model, kwargs, flag)
-        return rounds, syncs
+        return [(int(matches), length) for matches, length in rounds], syncs
 
     rounds_n, syncs_n = one_call(ctx.kw_n)
     rounds_1, syncs_1 = one_call(ctx.kw_1)

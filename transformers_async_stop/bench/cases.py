@@ -100,11 +100,19 @@ def _from_checkpoint(path: str) -> Callable[[torch.device, torch.dtype], torch.n
     return build
 
 
-def builtin_cases() -> dict[str, Case]:
-    tiny = LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=64, num_hidden_layers=1,
+def tiny_llama_config() -> LlamaConfig:
+    """The tiny Llama of transformers issue #43089."""
+    return LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=1, num_key_value_heads=1)
-    llama_1b = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                           num_key_value_heads=8, vocab_size=128256)
+
+
+def llama_1b_config() -> LlamaConfig:
+    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256)
+
+
+def builtin_cases() -> dict[str, Case]:
+    tiny, llama_1b = tiny_llama_config(), llama_1b_config()
     return {
         "tiny-llama": Case("tiny-llama", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
                            extra=issue_43089_extras),

@@ -114,11 +114,8 @@ def main(argv=None, cases: dict[str, Case] | None = None) -> int:
 
     result = {"header": report.header(device, _command(argv), args, sel.timed, sel.floor, notes, reference),
               "runs": records}
-    print(report.text_report(result) + assisted.text_report(result))
+    print(report.text_report(result))
     report.write_outputs(result, args)
-    if args.markdown and assisted.rows(result):
-        with open(args.markdown, "a", encoding="utf-8") as f:
-            f.write(assisted.markdown(result))
     return 1 if any(r.get("error") for r in records) else 0
 
 

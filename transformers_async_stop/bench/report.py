@@ -207,7 +207,9 @@ def text_report(result: dict) -> str:
     rows = gap_rows(runs)
     if rows:
         lines += ["", GAP_LEGEND, _aligned([GAP_TITLES] + rows)]
-    return "\n".join(lines)
+    from . import assisted  # its rows format with this module's helpers
+
+    return "\n".join(lines) + assisted.text_report(result)
 
 
 # --- files --------------------------------------------------------------------------------------------------------
@@ -231,7 +233,9 @@ def markdown(result: dict) -> str:
     if rows:
         lines += ["", GAP_LEGEND + ".", "", _md_table(GAP_TITLES, rows)]
     lines += ["", METHOD + " " + (LEGEND if cuda else "exact: the variant's output sequences equal stock's."), ""]
-    return "\n".join(lines)
+    from . import assisted
+
+    return "\n".join(lines) + assisted.markdown(result)
 
 
 def _md_table(titles, rows) -> str:
