@@ -2,7 +2,7 @@
 # One call on a GPU machine checks and times everything asked for, per transformers release:
 #   bash scripts/gpu_check.sh [what] [extra bench args...]
 # what: a comma list of
-#   tests     CUDA tests (tests/test_cuda.py, and tests/test_assisted.py -k Cuda): equality, streams, syncs
+#   tests     CUDA tests (tests/test_cuda.py, tests/test_static_loop.py, tests/test_assisted.py -k Cuda)
 #   overhead  the package's own host time per decode step (scripts/own_overhead.py)
 #   profile   where a decode step's host time goes, stock / upstream / imported / async (scripts/host_profile.py)
 #   bench     the benchmark (python -m transformers_async_stop.bench), extra args passed through
@@ -42,7 +42,8 @@ for tag in ${VERSIONS:-t523}; do
     timeout 120 python3 scripts/own_overhead.py 2>&1 | tee "$out/overhead_$ver.txt"
   fi
   if has tests; then
-    timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py > "$out/pytest_$ver.txt" 2>&1
+    timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py tests/test_static_loop.py \
+      > "$out/pytest_$ver.txt" 2>&1
     grep -E "SYNCS|passed|failed|Error|error" "$out/pytest_$ver.txt" | tail -40
     # assisted decoding's CUDA tests (syncs per verify round); its CPU tests run in CI
     timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_assisted.py -k Cuda \

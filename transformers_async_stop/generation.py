@@ -17,6 +17,7 @@ import torch
 from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
 from .call_state import CALL, CallState, active_controller, active_draft, compiling
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
+from . import static_loop
 from .controller import AsyncStop
 from .patching import MARKER
 from .peers import PeerVerdict
@@ -134,10 +135,17 @@ def patched_sample(original, target):
         if draft is not None:
             stopping_criteria = draft.criteria(stopping_criteria)
         loop_streamer = streamer if (route_a or streamer is None) else ExtraStepStreamer(streamer, ctl)
+        # a static cache on 5.17+: the package's own loop, inputs advanced in place and the step's tail replayed
+        loop_plan = None if draft is not None or not route_a else static_loop.plan_loop(
+            self, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs)
         try:
-            outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
-                               SideStreamCriteria(stopping_criteria, ctl), generation_config,
-                               synced_gpus=synced_gpus, streamer=loop_streamer, **model_kwargs)
+            if loop_plan is not None:
+                outputs = static_loop.run(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                          streamer, model_kwargs, ctl, loop_plan)
+            else:
+                outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
+                                   SideStreamCriteria(stopping_criteria, ctl), generation_config,
+                                   synced_gpus=synced_gpus, streamer=loop_streamer, **model_kwargs)
         except BaseException:
             ctl.abort()
             raise

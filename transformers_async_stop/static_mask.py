@@ -40,7 +40,7 @@ _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 class MaskPlan:
     """Per call and cache: the constant parts of the decode-step mask."""
 
-    __slots__ = ("cache", "length", "keyed", "kv", "padding", "known")
+    __slots__ = ("cache", "length", "keyed", "kv", "padding", "known", "last")
 
     def __init__(self, cache, length: int, keyed: bool, device: torch.device):
         self.cache = weakref.ref(cache)
@@ -49,6 +49,7 @@ class MaskPlan:
         self.kv = torch.arange(length, device=device)[None, None, None, :]
         self.padding = None  # (B, length) bool: the 2D mask, right-padded with zeros
         self.known = 0  # columns of `padding` copied from the 2D mask so far
+        self.last = None  # the last mask returned (static_loop checks that the plan made its first decode mask)
 
     def mask(self, inputs_embeds, attention_mask, past_key_values):
         """The 4D mask of one decode step, or None where the plan does not apply (the original runs)."""
@@ -74,7 +75,8 @@ class MaskPlan:
                 self.padding[:, self.known:width] = attention_mask[:, self.known:width]
                 self.known = width
             mask = causal & self.padding[:, None, None, :]
-        return {"full_attention": mask} if self.keyed else mask
+        self.last = {"full_attention": mask} if self.keyed else mask
+        return self.last
 
 
 def _full_attention_config(config) -> bool | None:

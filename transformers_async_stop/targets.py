@@ -334,6 +334,31 @@ SHORTCUTS: tuple[Shortcut, ...] = (
             "column of ones made once per call",
         present="5.5+",
     ),
+    Shortcut(
+        "static decode loop",
+        (f"{_GEN}:GenerationMixin._sample", f"{_GEN}:GenerationMixin.prepare_inputs_for_generation",
+         f"{_GEN}:GenerationMixin._update_model_kwargs_for_generation", f"{_CU}:StaticLayer.update",
+         *(f"{_LP}:{name}.__call__" for name in (
+             "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper"))),
+        {
+            f"{_GEN}:GenerationMixin._sample": {"61160ef8c121": "5.17.0-5.23.0"},
+            f"{_GEN}:GenerationMixin.prepare_inputs_for_generation": {
+                "13748caf50e9": "5.17.0", "81541ac5a2c2": "5.18.0-5.19.0", "4a63a45d2e0e": "5.20.2-5.22.2",
+                "378c9d0cf4aa": "5.23.0"},
+            f"{_GEN}:GenerationMixin._update_model_kwargs_for_generation": {"9d022aaeb64d": "5.5.4-5.23.0"},
+            f"{_CU}:StaticLayer.update": {"ee4886d3398e": "5.16.1-5.23.0"},
+            # graph safety of the built-in processors the tail captures: no host read, no host-built tensor
+            f"{_LP}:TemperatureLogitsWarper.__call__": {"275ebb389db2": "4.57.6-5.22.2", "d3ca7666874e": "5.23.0"},
+            f"{_LP}:TopKLogitsWarper.__call__": {"2b8bab48a54a": "4.57.6-5.22.2", "3f901d10cbf2": "5.23.0"},
+            f"{_LP}:TopPLogitsWarper.__call__": {"6561bf719576": "4.57.6-5.22.2", "66d37a2701b0": "5.23.0"},
+            f"{_LP}:MinPLogitsWarper.__call__": {
+                "ea84c2487a64": "4.57.6", "dc52619ba3d1": "5.0.0-5.22.2", "3896514acde0": "5.23.0"},
+        },
+        "static_loop.loop.run",
+        why="with a static cache, everything around the compiled forward is eager Python every step: the inputs "
+            "are advanced in place and the rest of the step is one CUDA graph replay",
+        present="5.17+",
+    ),
     # --- assisted decoding and prompt lookup (assisted/) -----------------------------------------------------
     *_ASSISTED_LOOPS,
     Shortcut(

@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
+from ..static_loop import graph_safe
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("eager", "static")
 BEAMS = 4
@@ -32,8 +34,11 @@ class NeverStop(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+@graph_safe
 class ExtraSoftmax(LogitsProcessor):
-    """A user logits processor that applies a second softmax: one more small kernel per step."""
+    """A user logits processor that applies a second softmax: one more small kernel per step. A pure function of
+    the scores, so declared `graph_safe` (as its user would, following the README): with the flag the static-cache
+    loop may capture it (stock ignores the declaration)."""
 
     def __call__(self, input_ids, scores):
         return scores.softmax(-1)

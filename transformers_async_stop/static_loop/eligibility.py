@@ -1,0 +1,144 @@
+"""Which `_sample` calls the static-cache loop takes, and what it runs in them: decided once per call.
+
+The loop is taken where its inputs, its tail and its stop can reproduce stock exactly, and nowhere else:
+a decoder-only model that keeps transformers' own `prepare_inputs_for_generation` and
+`_update_model_kwargs_for_generation`, a cache made only of full-attention `StaticLayer`s, one new token per step, no
+per-step attentions or hidden states, no `synced_gpus`, and an installed transformers whose sources are the ones
+this loop was read against (`targets.SHORTCUTS`: "static decode loop"). Every other call runs the deferred path of
+`generation.py`.
+
+The tail is captured into CUDA graphs only when every logits processor is graph-safe: a built-in one known to be
+(temperature, top-k, top-p, min-p, the two minimum-length ones), or one the user declared with `graph_safe()`.
+Stopping criteria are never captured: an exact `EosTokenCriteria` is evaluated inside the tail on the new token, an
+exact `MaxLengthCriteria` is decided on the host (as on the deferred path), and every other criterion runs eagerly,
+after the tail, on the real sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ..step_lists import _EosMask, _MAX_LENGTH, _plan_criterion, _plan_processor
+from ..verified import matches
+
+STATIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_STATIC_LOOP"
+CAPTURE_ENV = "TRANSFORMERS_ASYNC_STOP_CAPTURE"
+_GRAPH_SAFE = "_async_stop_graph_safe"
+
+
+def graph_safe(processor):
+    """Declare a logits processor (an instance or its class) safe to capture into a CUDA graph; returns it.
+
+    The promise: its `__call__` is a pure function of `scores` (it may read `input_ids.shape[0]` and `.device`, never
+    the values or the length of `input_ids`); it keeps no Python state between calls, reads nothing on the host and
+    builds no tensor from host data. A captured processor runs once at capture and is replayed after that, so a
+    processor that breaks the promise gives wrong results, not an error.
+    """
+    setattr(processor, _GRAPH_SAFE, True)
+    return processor
+
+
+def _off(env: str) -> bool:
+    return os.environ.get(env, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def _builtin_graph_safe() -> tuple:
+    from transformers.generation import logits_process as lp
+
+    return (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper)
+
+
+def _is_graph_safe(processor) -> bool:
+    if isinstance(processor, _EosMask):
+        return True
+    if type(processor) in _builtin_graph_safe():
+        return True
+    return getattr(processor, _GRAPH_SAFE, False) is True
+
+
+@dataclasses.dataclass
+class LoopPlan:
+    """What one `_sample` call of the static-cache loop runs."""
+
+    processors: list  # callables (input_ids, scores) -> scores, in order
+    phased: list  # the `_EosMask`s among them: their one host decision depends on the length
+    capture: bool  # replay the tail from CUDA graphs
+    eos: list  # exact `EosTokenCriteria`: evaluated inside the tail on the new token
+    max_length: list  # exact `MaxLengthCriteria`: decided on the host, called only where it can warn
+    eager: list  # every other criterion: called after the tail on the real sequence
+    do_sample: bool
+    has_eos: bool  # stock's `has_eos_stopping_criteria`: finished rows get the pad token
+    scores: bool  # return the processed scores of each step
+    logits: bool  # return the raw logits of each step
+
+    def phase(self, length: int) -> tuple:
+        """The host decisions of the processors at this sequence length (one CUDA graph per distinct value)."""
+        return tuple(length - m.offset < m.minimum for m in self.phased)
+
+
+def plan_loop(model, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs):
+    """The call's `LoopPlan`, or None where the deferred path of `generation.py` runs instead."""
+    from transformers.cache_utils import Cache, StaticLayer
+    from transformers.generation.utils import GenerationMixin
+
+    if _off(STATIC_LOOP_ENV) or synced_gpus or getattr(generation_config, "is_assistant", False):
+        return None
+    if model.config.is_encoder_decoder or not model_kwargs.get("use_cache", True):
+        return None
+    if model_kwargs.get("inputs_embeds") is not None or stopping_criteria.max_length is None:
+        return None
+    if generation_config.return_dict_in_generate and (generation_config.output_attentions
+                                                      or generation_config.output_hidden_states):
+        return None
+    kind = type(model)
+    if (kind.prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation
+            or kind._update_model_kwargs_for_generation is not GenerationMixin._update_model_kwargs_for_generation):
+        return None
+    cache = model_kwargs.get("past_key_values")
+    layers = getattr(cache, "layers", None) if isinstance(cache, Cache) else None
+    if not layers or any(type(layer) is not StaticLayer for layer in layers):
+        return None
+    if not (matches("static decode loop") and matches("LogitsProcessorList.__call__")
+            and matches("StoppingCriteriaList.__call__")):
+        return None
+
+    processors = []
+    for processor in logits_processor:
+        planned, extra = _plan_processor(processor)
+        if extra:
+            return None  # stock raises for a processor that needs keyword arguments: the deferred path does too
+        processors.append(planned)
+    eos, max_length, eager = [], [], []
+    for criterion in stopping_criteria:
+        kind = _plan_criterion(criterion)
+        if kind == _MAX_LENGTH:
+            max_length.append(criterion)
+        elif _exact_eos(criterion):
+            eos.append(criterion)
+        else:
+            eager.append(criterion)
+    capture = (torch.cuda.is_available() and _on_cuda(model) and not _off(CAPTURE_ENV)
+               and all(_is_graph_safe(p) for p in processors))
+    rdig = generation_config.return_dict_in_generate
+    return LoopPlan(
+        processors=processors, phased=[p for p in processors if isinstance(p, _EosMask)], capture=capture, eos=eos,
+        max_length=max_length, eager=eager, do_sample=bool(generation_config.do_sample),
+        has_eos=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
+        scores=bool(rdig and generation_config.output_scores), logits=bool(rdig and generation_config.output_logits),
+    )
+
+
+def _exact_eos(criterion) -> bool:
+    from transformers.generation.stopping_criteria import EosTokenCriteria
+
+    return type(criterion) is EosTokenCriteria and matches("EosTokenCriteria.__call__")
+
+
+def _on_cuda(model) -> bool:
+    try:
+        return model.device.type == "cuda"
+    except (AttributeError, StopIteration):
+        return False
