@@ -3,7 +3,8 @@
 The loop is taken where its inputs, its tail and its stop can reproduce stock exactly, and nowhere else:
 a decoder-only model that keeps transformers' own `prepare_inputs_for_generation` and
 `_update_model_kwargs_for_generation`, a cache made only of full-attention `StaticLayer`s, one new token per step, no
-per-step attentions or hidden states, no `synced_gpus`, and an installed transformers whose sources are the ones
+per-step attentions or hidden states, one device and one process (no `device_map` split, no `synced_gpus` or tensor
+parallelism), and an installed transformers whose sources are the ones
 this loop was read against (`targets.SHORTCUTS`: "static decode loop"). Every other call runs the deferred path of
 `generation.py`.
 
@@ -88,6 +89,8 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
         return None
     if model.config.is_encoder_decoder or not model_kwargs.get("use_cache", True):
         return None
+    if len(set(getattr(model, "hf_device_map", {}).values())) > 1 or torch.distributed.is_initialized():
+        return None  # a model split over devices or processes: the captured tail would span them
     if model_kwargs.get("inputs_embeds") is not None or stopping_criteria.max_length is None:
         return None
     if generation_config.return_dict_in_generate and (generation_config.output_attentions

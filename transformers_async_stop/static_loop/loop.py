@@ -106,7 +106,8 @@ def tail_ids(seq: torch.Tensor, length: int) -> torch.Tensor:
 
 def _eager_criteria(plan, ctl, input_ids, scores, unfinished_sequences, length) -> None:
     """Stock's `StoppingCriteriaList.__call__` for the criteria the tail does not evaluate, folded into
-    `unfinished_sequences` in place (stock: `unfinished & ~is_done`, the same values)."""
+    `unfinished_sequences` in place (stock: `unfinished & ~is_done`, the same values). As on the deferred path
+    (`SideStreamCriteria`), the first per-row bool result seeds the reduction instead of stock's all-False tensor."""
     is_done = None
     for criterion in plan.max_length:
         if length < criterion.max_length and (criterion.max_position_embeddings is None
@@ -124,5 +125,7 @@ def _eager_criteria(plan, ctl, input_ids, scores, unfinished_sequences, length) 
 
 def _or(is_done, done, input_ids):
     if is_done is None:
+        if isinstance(done, torch.Tensor) and done.dtype == torch.bool and done.shape == (input_ids.shape[0],):
+            return done
         is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     return is_done | done
