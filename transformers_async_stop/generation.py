@@ -140,8 +140,8 @@ def patched_sample(original, target):
             self, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs)
         try:
             if loop_plan is not None:
-                outputs = static_loop.run(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                          streamer, model_kwargs, ctl, loop_plan)
+                outputs = static_loop.run(self, input_ids, stopping_criteria, generation_config, streamer,
+                                          model_kwargs, ctl, loop_plan)
             else:
                 outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
                                    SideStreamCriteria(stopping_criteria, ctl), generation_config,

@@ -20,11 +20,11 @@ import torch
 
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
 from .inputs import StepInputs
-from .tail import Tail
+from .tail import Tail, prefix
 
 
-def run(model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs, ctl,
-        plan):
+def run(model, input_ids, stopping_criteria, generation_config, streamer, model_kwargs, ctl, plan):
+    """`_sample` for a call `plan_loop` accepted; `plan` holds its processors and criteria."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     pad_token_id = generation_config._pad_token_tensor
@@ -47,7 +47,7 @@ def run(model, input_ids, logits_processor, stopping_criteria, generation_config
     cache = model_kwargs.get("past_key_values")
     cache_returned = ctl.cache_returned
     model_inputs, first = None, True
-    tail = Tail(plan, seq, length, unfinished_sequences, pad_token_id, stopping_criteria)
+    tail = Tail(plan, seq, length, unfinished_sequences, pad_token_id)
     step_inputs = None  # the first decode step makes them; None afterwards: stock rebuilds the inputs every step
     try:
         with model._optimize_model_for_decode():
@@ -55,7 +55,7 @@ def run(model, input_ids, logits_processor, stopping_criteria, generation_config
                 if outputs is None:  # a decode step (the prefill's outputs are the first step's)
                     if model_inputs is None:
                         model_inputs = model.prepare_inputs_for_generation(
-                            tail_ids(seq, length), next_sequence_length=1, **model_kwargs)
+                            prefix(seq, length), next_sequence_length=1, **model_kwargs)
                     outputs = model_forward(**model_inputs, return_dict=True)
                 if step_inputs is None:
                     model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs,
@@ -71,12 +71,12 @@ def run(model, input_ids, logits_processor, stopping_criteria, generation_config
                     raw_logits += (next_token_logits.clone(),)
                 length += 1
                 if plan.eager or plan.max_length:
-                    _eager_criteria(plan, ctl, tail_ids(seq, length), scores, unfinished_sequences, length)
+                    _eager_criteria(plan, ctl, prefix(seq, length), scores, unfinished_sequences, length)
                 if ctl.record(unfinished_sequences, tail.tokens, length):
                     break
                 if first:
                     first = False
-                    model_inputs, step_inputs = StepInputs.build(model, tail_ids(seq, length), model_kwargs, cache)
+                    model_inputs, step_inputs = StepInputs.build(model, prefix(seq, length), model_kwargs, cache)
                     tail.inputs = step_inputs
                 elif step_inputs is None:
                     model_inputs = None
@@ -97,11 +97,6 @@ def run(model, input_ids, logits_processor, stopping_criteria, generation_config
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=raw_logits, attentions=None,
                                          hidden_states=None, past_key_values=cache)
     return sequences
-
-
-def tail_ids(seq: torch.Tensor, length: int) -> torch.Tensor:
-    ids = seq[:, :length]
-    return ids if ids.is_contiguous() else ids.contiguous()
 
 
 def _eager_criteria(plan, ctl, input_ids, scores, unfinished_sequences, length) -> None:

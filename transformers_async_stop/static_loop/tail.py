@@ -34,10 +34,16 @@ def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
     return stream
 
 
+def prefix(seq: torch.Tensor, length: int) -> torch.Tensor:
+    """The sequence so far, as user code gets it: its first `length` columns, contiguous (a copy for several rows)."""
+    ids = seq[:, :length]
+    return ids if ids.is_contiguous() else ids.contiguous()
+
+
 class Tail:
     """The device work of every decode step after the forward, for one `_sample` call."""
 
-    def __init__(self, plan, seq: torch.Tensor, length: int, unfinished: torch.Tensor, pad_token_id, criteria):
+    def __init__(self, plan, seq: torch.Tensor, length: int, unfinished: torch.Tensor, pad_token_id):
         self.plan = plan
         self.seq = seq  # (batch, max_length): the prompt, then each step's token
         self.length = torch.tensor([length], dtype=torch.long, device=seq.device)  # columns of `seq` written
@@ -78,11 +84,7 @@ class Tail:
             if scores is not None:
                 return scores
         self.seen.add(key)
-        return self._body(self._ids(length), advance)
-
-    def _ids(self, length: int) -> torch.Tensor:
-        ids = self.seq[:, :length]
-        return ids if ids.is_contiguous() else ids.contiguous()
+        return self._body(prefix(self.seq, length), advance)
 
     def _body(self, input_ids: torch.Tensor, advance: bool) -> torch.Tensor:
         plan = self.plan
