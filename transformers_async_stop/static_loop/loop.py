@@ -71,7 +71,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
                     raw_logits += (next_token_logits.clone(),)
                 length += 1
                 if plan.eager or plan.max_length:
-                    _eager_criteria(plan, ctl, prefix(seq, length), scores, unfinished_sequences, length)
+                    _eager_criteria(plan, ctl, seq, scores, unfinished_sequences, length)
                 if ctl.record(unfinished_sequences, tail.tokens, length):
                     break
                 if first:
@@ -99,17 +99,19 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
     return sequences
 
 
-def _eager_criteria(plan, ctl, input_ids, scores, unfinished_sequences, length) -> None:
+def _eager_criteria(plan, ctl, seq, scores, unfinished_sequences, length) -> None:
     """Stock's `StoppingCriteriaList.__call__` for the criteria the tail does not evaluate, folded into
     `unfinished_sequences` in place (stock: `unfinished & ~is_done`, the same values). As on the deferred path
     (`SideStreamCriteria`), the first per-row bool result seeds the reduction instead of stock's all-False tensor."""
-    is_done = None
+    is_done = input_ids = None
     for criterion in plan.max_length:
         if length < criterion.max_length and (criterion.max_position_embeddings is None
                                               or length <= criterion.max_position_embeddings):
             continue  # it can only say "not yet", and cannot warn; `AsyncStop.record` stops at max_length
+        input_ids = prefix(seq, length) if input_ids is None else input_ids
         is_done = _or(is_done, criterion(input_ids, scores), input_ids)
     for criterion in plan.eager:
+        input_ids = prefix(seq, length) if input_ids is None else input_ids
         done = criterion(input_ids, scores)
         if not isinstance(done, torch.Tensor):
             ctl.warn_host_verdict(criterion)
