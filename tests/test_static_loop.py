@@ -119,6 +119,16 @@ class Collect(BaseStreamer):
         self.ended += 1
 
 
+def stock_then_loop(test, run):
+    """`run(None)` on unpatched stock, then `run(True)`, which must take the static-cache loop once; both results."""
+    with stock():
+        ref = run(None)
+    with LoopSpy() as spy:
+        on = run(True)
+    test.assertEqual(spy.runs, 1)
+    return ref, on
+
+
 @needs_loop
 class StaticLoopEqualsStock(unittest.TestCase):
     @parameterized.expand([(family, sampling, padded) for family in ("llama", "qwen2", "gpt2")
@@ -146,11 +156,7 @@ class StaticLoopEqualsStock(unittest.TestCase):
                                  eos_token_id=eos, pad_token_id=PAD, **kw)
             return out, cache
 
-        with stock():
-            ref, ref_cache = run(None)
-        with LoopSpy() as spy:
-            on, on_cache = run(True)
-        self.assertEqual(spy.runs, 1)
+        (ref, ref_cache), (on, on_cache) = stock_then_loop(self, run)
         self.assertLess(ref.shape[1], ids.shape[1] + 12, "the rows must stop before max_new_tokens")
         assert_same(self, ref, on)
         assert_same(self, ref_cache, on_cache)
@@ -170,11 +176,7 @@ class StaticLoopEqualsStock(unittest.TestCase):
                                  stopping_criteria=StoppingCriteriaList([criterion]), **kw)
             return out, processor.seen, criterion.seen
 
-        with stock():
-            ref = run(None)
-        with LoopSpy() as spy:
-            on = run(True)
-        self.assertEqual(spy.runs, 1)
+        ref, on = stock_then_loop(self, run)
         self.assertLess(ref[0].shape[1], ids.shape[1] + 14, "the criterion must stop the rows early")
         assert_same(self, ref, on)
 
@@ -191,11 +193,7 @@ class StaticLoopEqualsStock(unittest.TestCase):
                                  cache_implementation="static", streamer=streamer, **kw)
             return out, streamer.chunks, streamer.ended
 
-        with stock():
-            ref = run(None)
-        with LoopSpy() as spy:
-            on = run(True)
-        self.assertEqual(spy.runs, 1)
+        ref, on = stock_then_loop(self, run)
         assert_same(self, ref, on)
 
     @pytest.mark.core

@@ -172,30 +172,38 @@ class SideStreamCriteria(_CallCriteria):
         ctl.to_side(input_ids, scores)
         if self._plan is None:
             return super().__call__(input_ids, scores, **kwargs)
-        length = input_ids.shape[-1]
-        is_done = None
-        for criterion, kind in self._plan:
-            if kind == _MAX_LENGTH:
-                if length < criterion.max_length and (criterion.max_position_embeddings is None
-                                                      or length <= criterion.max_position_embeddings):
-                    continue
-                done = criterion(input_ids, scores, **kwargs)
-            elif kind == _MANY_EOS:
-                done = _last_tokens_are_eos(criterion, input_ids, kwargs)
-            else:
-                done = criterion(input_ids, scores, **kwargs)
-                if not isinstance(done, torch.Tensor):
-                    ctl.warn_host_verdict(criterion)
-            if is_done is None:
-                if isinstance(done, torch.Tensor) and done.dtype == torch.bool and done.shape == (input_ids.shape[0],):
-                    is_done = done
-                    continue
-                # anything else combines with stock's all-False seed (Python bools, other dtypes promote)
-                is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-            is_done = is_done | done
+        is_done = fold_criteria(self._plan, input_ids.shape[-1], lambda: input_ids, scores, ctl, kwargs)
         if is_done is None:
             is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         return is_done
+
+
+def fold_criteria(plan, length: int, input_ids_of, scores, ctl, kwargs):
+    """The loop of `StoppingCriteriaList.__call__` over planned `(criterion, kind)` pairs, with the shortcuts listed
+    in `SideStreamCriteria`; the per-row verdict, or None where no criterion had to be called (then stock's
+    answer is all False). `input_ids_of()` gives the sequence of `length` tokens, asked for only when a criterion
+    runs (the static-cache loop makes it on demand)."""
+    is_done = input_ids = None
+    for criterion, kind in plan:
+        if kind == _MAX_LENGTH and length < criterion.max_length and (
+                criterion.max_position_embeddings is None or length <= criterion.max_position_embeddings):
+            continue  # it can only say "not yet", and cannot warn: the loop stops at max_length on the host
+        if input_ids is None:
+            input_ids = input_ids_of()
+        if kind == _MANY_EOS:
+            done = _last_tokens_are_eos(criterion, input_ids, kwargs)
+        else:
+            done = criterion(input_ids, scores, **kwargs)
+            if kind == _CALL and not isinstance(done, torch.Tensor):
+                ctl.warn_host_verdict(criterion)
+        if is_done is None:
+            if isinstance(done, torch.Tensor) and done.dtype == torch.bool and done.shape == (input_ids.shape[0],):
+                is_done = done
+                continue
+            # anything else combines with stock's all-False seed (Python bools, other dtypes promote)
+            is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        is_done = is_done | done
+    return is_done
 
 
 class ExtraStepCriteria(_CallCriteria):

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ..step_lists import _EosMask, _MAX_LENGTH, _plan_criterion, _plan_processor
+from ..step_lists import _EosMask, _plan_criterion, _plan_processor
 from ..verified import matches
 
 STATIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_STATIC_LOOP"
@@ -68,8 +68,7 @@ class LoopPlan:
     phased: list  # the `_EosMask`s among them: their one host decision depends on the length
     capture: bool  # replay the tail from CUDA graphs
     eos: list  # exact `EosTokenCriteria`: evaluated inside the tail on the new token
-    max_length: list  # exact `MaxLengthCriteria`: decided on the host, called only where it can warn
-    eager: list  # every other criterion: called after the tail on the real sequence
+    criteria: list  # every other criterion, planned `(criterion, kind)`: folded after the tail (`fold_criteria`)
     do_sample: bool
     has_eos: bool  # stock's `has_eos_stopping_criteria`: finished rows get the pad token
     scores: bool  # return the processed scores of each step
@@ -114,21 +113,18 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
         if extra:
             return None  # stock raises for a processor that needs keyword arguments: the deferred path does too
         processors.append(planned)
-    eos, max_length, eager = [], [], []
+    eos, criteria = [], []
     for criterion in stopping_criteria:
-        kind = _plan_criterion(criterion)
-        if kind == _MAX_LENGTH:
-            max_length.append(criterion)
-        elif _exact_eos(criterion):
+        if _exact_eos(criterion):
             eos.append(criterion)
         else:
-            eager.append(criterion)
+            criteria.append((criterion, _plan_criterion(criterion)))
     capture = (torch.cuda.is_available() and _on_cuda(model) and not _off(CAPTURE_ENV)
                and all(_is_graph_safe(p) for p in processors))
     rdig = generation_config.return_dict_in_generate
     return LoopPlan(
         processors=processors, phased=[p for p in processors if isinstance(p, _EosMask)], capture=capture, eos=eos,
-        max_length=max_length, eager=eager, do_sample=bool(generation_config.do_sample),
+        criteria=criteria, do_sample=bool(generation_config.do_sample),
         has_eos=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
         scores=bool(rdig and generation_config.output_scores), logits=bool(rdig and generation_config.output_logits),
     )

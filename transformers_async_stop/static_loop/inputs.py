@@ -50,7 +50,7 @@ class StepInputs:
             plan.last = None
         inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
         for key, value in inputs.items():
-            if key not in _ADVANCED and _holds_tensor(value) and value is not cache:
+            if key not in _ADVANCED and _holds_tensor(value):
                 return inputs, None
         ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
         if not _one_column(ids) or (positions is not None and not _one_column(positions)):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
+from ..step_lists import fold_criteria
 from .inputs import StepInputs
 from .tail import Tail, prefix
 
@@ -45,7 +46,6 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
     outputs = model._prefill(input_ids, generation_config, model_kwargs,
                              is_first_iteration=not generation_config.is_assistant)
     cache = model_kwargs.get("past_key_values")
-    cache_returned = ctl.cache_returned
     model_inputs, first = None, True
     tail = Tail(plan, seq, length, unfinished_sequences, pad_token_id)
     step_inputs = None  # the first decode step makes them; None afterwards: stock rebuilds the inputs every step
@@ -70,8 +70,10 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
                 if raw_logits is not None:
                     raw_logits += (next_token_logits.clone(),)
                 length += 1
-                if plan.eager or plan.max_length:
-                    _eager_criteria(plan, ctl, seq, scores, unfinished_sequences, length)
+                if plan.criteria:
+                    is_done = fold_criteria(plan.criteria, length, lambda: prefix(seq, length), scores, ctl, {})
+                    if is_done is not None:
+                        unfinished_sequences.bitwise_and_(~is_done)  # stock: `unfinished & ~is_done`
                 if ctl.record(unfinished_sequences, tail.tokens, length):
                     break
                 if first:
@@ -81,15 +83,14 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
                 elif step_inputs is None:
                     model_inputs = None
     except BaseException:
-        if ctl.overran and cache_returned and why_not_rollbackable(cache) is None:
-            rollback_one_step(cache, ctl.kept_cache_length)
+        if ctl.overran:
+            _give_back_extra_forward(ctl, cache)
         raise
     finally:
         tail.close()
 
-    steps_to_undo = ctl.finish()
-    if steps_to_undo and cache_returned and why_not_rollbackable(cache) is None:
-        rollback_one_step(cache, ctl.kept_cache_length)
+    if ctl.finish():
+        _give_back_extra_forward(ctl, cache)
     sequences = seq[:, :length].clone(memory_format=torch.contiguous_format)
     if streamer is not None:
         streamer.end()
@@ -99,30 +100,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
     return sequences
 
 
-def _eager_criteria(plan, ctl, seq, scores, unfinished_sequences, length) -> None:
-    """Stock's `StoppingCriteriaList.__call__` for the criteria the tail does not evaluate, folded into
-    `unfinished_sequences` in place (stock: `unfinished & ~is_done`, the same values). As on the deferred path
-    (`SideStreamCriteria`), the first per-row bool result seeds the reduction instead of stock's all-False tensor."""
-    is_done = input_ids = None
-    for criterion in plan.max_length:
-        if length < criterion.max_length and (criterion.max_position_embeddings is None
-                                              or length <= criterion.max_position_embeddings):
-            continue  # it can only say "not yet", and cannot warn; `AsyncStop.record` stops at max_length
-        input_ids = prefix(seq, length) if input_ids is None else input_ids
-        is_done = _or(is_done, criterion(input_ids, scores), input_ids)
-    for criterion in plan.eager:
-        input_ids = prefix(seq, length) if input_ids is None else input_ids
-        done = criterion(input_ids, scores)
-        if not isinstance(done, torch.Tensor):
-            ctl.warn_host_verdict(criterion)
-        is_done = _or(is_done, done, input_ids)
-    if is_done is not None:
-        unfinished_sequences.bitwise_and_(~is_done)
-
-
-def _or(is_done, done, input_ids):
-    if is_done is None:
-        if isinstance(done, torch.Tensor) and done.dtype == torch.bool and done.shape == (input_ids.shape[0],):
-            return done
-        is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    return is_done | done
+def _give_back_extra_forward(ctl, cache) -> None:
+    """A returned cache loses the position the extra step's forward wrote (an unreturned one is reset on reuse)."""
+    if ctl.cache_returned and why_not_rollbackable(cache) is None:
+        rollback_one_step(cache, ctl.kept_cache_length)
