@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import logging
@@ -11,13 +12,14 @@ import textwrap
 import unittest
 
 from parameterized import parameterized
+from transformers import GenerationConfig
 
 import transformers_async_stop as tas
 from transformers_async_stop import patching
 from transformers_async_stop import verified
 from transformers_async_stop.targets import SHORTCUTS, TARGETS, Target, present_in
 
-from models import TRANSFORMERS_VERSION
+from models import PAD, TRANSFORMERS_VERSION, build, prompt
 
 TARGETS_FILE = inspect.getsourcefile(importlib.import_module("transformers_async_stop.targets"))
 
@@ -87,6 +89,61 @@ class ApplyUnpatch(unittest.TestCase):
         finally:
             patching.TARGETS = saved
             patching._SKIPPED.pop("GenerationMixin._ghost", None)
+
+
+class UnpatchLeavesStock(unittest.TestCase):
+    """After `unpatch()`, objects created while patched behave as stock transformers treats them: the field is an
+    unknown generate() keyword again. `apply()` brings the field back with its values."""
+
+    def setUp(self):
+        self.addCleanup(tas.apply)
+
+    def _generate(self, model, **kw):
+        ids, mask = prompt(batch=1)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=PAD, **kw)
+
+    def _stock_error(self, value):
+        tas.unpatch()
+        with self.assertRaises(ValueError) as raised:
+            self._generate(build("llama"), async_stopping_criteria=value)
+        tas.apply()
+        return str(raised.exception)
+
+    def test_a_model_built_while_patched_rejects_the_flag_like_stock_after_unpatch(self):
+        for value in (True, "yes"):
+            with self.subTest(value=value):
+                expected = self._stock_error(value)
+                model = build("llama")  # built while patched: its generation config holds the field
+                tas.unpatch()
+                with self.assertRaises(ValueError) as raised:
+                    self._generate(model, async_stopping_criteria=value)
+                self.assertEqual(str(raised.exception), expected)
+                self.assertIn("async_stopping_criteria", expected)
+                tas.apply()
+
+    def test_a_config_created_while_patched_loses_the_field_after_unpatch(self):
+        config = GenerationConfig(async_stopping_criteria=True)
+        tas.unpatch()
+        self.assertFalse(hasattr(config, "async_stopping_criteria"))
+        self.assertFalse(hasattr(GenerationConfig(), "async_stopping_criteria"))
+        # stock keeps an unknown keyword as a plain attribute, unchecked
+        self.assertEqual(GenerationConfig(async_stopping_criteria="yes").async_stopping_criteria, "yes")
+
+    def test_apply_after_unpatch_gives_the_values_back(self):
+        model = build("llama")
+        model.generation_config.async_stopping_criteria = True
+        tas.unpatch()
+        tas.apply()
+        self.assertIs(model.generation_config.async_stopping_criteria, True)
+        with self.assertRaises(ValueError):
+            GenerationConfig(async_stopping_criteria="yes")
+        self._generate(model)  # the model's own flag is valid again
+
+    def test_a_deep_copy_validated_while_patched_loses_the_field_too(self):
+        copied = copy.deepcopy(GenerationConfig(do_sample=True))
+        copied.validate()
+        tas.unpatch()
+        self.assertFalse(hasattr(copied, "async_stopping_criteria"))
 
 
 class Drift(unittest.TestCase):

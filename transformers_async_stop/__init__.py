@@ -8,9 +8,11 @@ Importing applies the patches (see `targets.py` for the list); `unpatch()` resto
 
 from .config import FORCE_ENV, StockPathWarning
 from .patching import apply, is_patched, skipped, unpatch
+from .path_report import CallPath, last_path
 from .static_loop import graph_safe
 
 __version__ = "0.1.0"
-__all__ = ["apply", "unpatch", "is_patched", "skipped", "graph_safe", "StockPathWarning", "FORCE_ENV", "__version__"]
+__all__ = ["apply", "unpatch", "is_patched", "skipped", "graph_safe", "last_path", "CallPath", "StockPathWarning",
+           "FORCE_ENV", "__version__"]
 
 apply()

@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+import weakref
 
+from . import path_report
 from .call_state import active_draft
 
 FIELD = "async_stopping_criteria"
@@ -22,6 +24,7 @@ class StockPathWarning(UserWarning):
 
 
 def warn_stock(reason: str, stacklevel: int = 4) -> None:
+    path_report.warned(reason)
     warnings.warn(
         f"async_stopping_criteria=True: {reason}; running the stock generation loop instead "
         "(identical output, one blocking read per step).",
@@ -30,18 +33,25 @@ def warn_stock(reason: str, stacklevel: int = 4) -> None:
     )
 
 
-def runs_stock(generation_config, device, why_stock) -> bool:
+def runs_stock(generation_config, device, why_stock, method: str | None = None) -> bool:
     """Whether a decoding method must run its stock loop: the flag is off, the loop is an assistant's, the device is
-    synchronous, or the method's own `why_stock()` gives a reason (warned once; "" means silently)."""
+    synchronous, or the method's own `why_stock()` gives a reason (warned once; "" means silently). The choice and
+    its reason go to the call's `path_report`; `method` names the decoding method there (default: greedy/sample)."""
+    method = method or path_report.method_of(generation_config)
     if not flag_of(generation_config):
+        path_report.decided(method, path_report.FLAG_OFF, deferred=False)
         return True
     if getattr(generation_config, "is_assistant", False) and active_draft() is None:
         return True  # an assistant's own loop inside stock assisted decoding runs stock silently: the caller warned
     if device.type != "cuda" and not force_deferred():
-        return True  # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
+        # CPU / MPS: nothing to gain, the flag is accepted and the stock path runs, silently
+        path_report.decided(method, f"{device.type.upper()}{path_report.SYNCHRONOUS}", deferred=False)
+        return True
     reason = why_stock()
     if reason is None:
+        path_report.decided(method, None, deferred=True)
         return False
+    path_report.decided(method, None, deferred=False)
     if reason:
         warn_stock(reason, stacklevel=5)
     return True
@@ -78,6 +88,7 @@ def patched_init(original, target):
         original(self, **kwargs)
         check_flag(value)
         setattr(self, FIELD, value)
+        _track(self)
 
     return _mark(__init__, original)
 
@@ -85,6 +96,7 @@ def patched_init(original, target):
 def patched_validate(original, target):
     def validate(self, *args, **kwargs):
         check_flag(getattr(self, FIELD, None))
+        _track(self)  # a copy made without __init__ (deepcopy) gets the field back from unpatch() too
         return original(self, *args, **kwargs)
 
     return _mark(validate, original)
@@ -102,3 +114,35 @@ def patched_defaults(original, target):
 def class_default(original, target):
     # A plain value: `update()` checks `hasattr`, so configs created before the import accept the keyword.
     return None
+
+
+# --- the field on configs that outlive unpatch() ------------------------------------------------------------------
+# Every config created (or validated) while patched holds the field as an instance attribute. Stock transformers
+# accepts a generate() keyword whenever the config has an attribute of that name, so after `unpatch()` a model built
+# while patched would take `async_stopping_criteria=...` silently, where stock raises. `unpatch()` therefore removes
+# the attribute from every live config it saw, and the next `apply()` puts the values back.
+_CONFIGS: dict[int, weakref.ref] = {}
+_STRIPPED: list[tuple[weakref.ref, object]] = []
+
+
+def _track(config) -> None:
+    key = id(config)
+    if key not in _CONFIGS:
+        _CONFIGS[key] = weakref.ref(config, lambda _ref, key=key: _CONFIGS.pop(key, None))
+
+
+def strip_field() -> None:
+    """`unpatch()`: take the field off every live config that holds it, keeping the values for `apply()`."""
+    for ref in list(_CONFIGS.values()):
+        config = ref()
+        if config is not None and FIELD in vars(config):
+            _STRIPPED.append((ref, vars(config).pop(FIELD)))
+
+
+def restore_field() -> None:
+    """`apply()` after `unpatch()`: give the configs their values back (unless set again in between)."""
+    for ref, value in _STRIPPED:
+        config = ref()
+        if config is not None and FIELD not in vars(config):
+            setattr(config, FIELD, value)
+    _STRIPPED.clear()

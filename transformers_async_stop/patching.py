@@ -66,6 +66,10 @@ def apply() -> list[str]:
             _ORIGINALS[key] = (target.name, owner, target.attr, raw)
             setattr(owner, target.attr, replacement)
             patched.append(target.name)
+        if patched:
+            from .config import restore_field
+
+            restore_field()
     return patched
 
 
@@ -88,7 +92,8 @@ def _installed_release() -> tuple[int, int]:
 
 
 def unpatch() -> list[str]:
-    """Restore every original exactly as found. Returns the names restored."""
+    """Restore every original exactly as found, and take the `async_stopping_criteria` field off the configs
+    created while patched (`apply()` gives it back). Returns the names restored."""
     restored = []
     with _LOCK:
         for name, owner, attr, raw in _ORIGINALS.values():
@@ -99,6 +104,10 @@ def unpatch() -> list[str]:
                 setattr(owner, attr, raw)
             restored.append(name)
         _ORIGINALS.clear()
+        if restored:
+            from .config import strip_field
+
+            strip_field()  # configs created while patched: see config.py
     return restored
 
 

@@ -1,0 +1,149 @@
+"""`last_path()` and the `transformers_async_stop` logger say which path each generate() call took, and why."""
+
+from __future__ import annotations
+
+import os
+import threading
+import unittest
+import warnings
+from unittest import mock
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+import transformers_async_stop as tas
+from transformers_async_stop import CallPath, StockPathWarning, last_path
+
+from models import PAD, TRANSFORMERS_VERSION, build, prompt
+
+LOOP_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
+
+
+def _greedy(model, ids, mask, **kw):
+    kw.setdefault("do_sample", False)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD, **kw)
+
+
+class NeverStop(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class JudgeProcessor(LogitsProcessor):
+    """Runs a generate() of its own (an LLM judge) at every step, and notes the path the inner call reported."""
+
+    def __init__(self, judge, flag):
+        self.judge, self.flag, self.inner = judge, flag, []
+
+    def __call__(self, input_ids, scores):
+        ids, mask = prompt(batch=1)
+        _greedy(self.judge, ids, mask, async_stopping_criteria=self.flag)
+        self.inner.append(last_path())
+        return scores
+
+
+class LastPath(unittest.TestCase):
+    def setUp(self):
+        self.model = build("llama")
+        self.ids, self.mask = prompt(batch=2)
+
+    def test_cpu_without_the_force_switch_reports_stock_because_the_device_is_synchronous(self):
+        with mock.patch.dict(os.environ, {tas.FORCE_ENV: "0"}):
+            _greedy(self.model, self.ids, self.mask, async_stopping_criteria=True)
+        path = last_path()
+        self.assertEqual(path.path, "stock")
+        self.assertEqual(path.reason, "CPU: the device is synchronous")
+        self.assertEqual(path.method, "greedy")
+        self.assertEqual(path.describe(), "stock: CPU")
+
+    def test_forced_greedy_reports_the_deferred_path(self):
+        _greedy(self.model, self.ids, self.mask, async_stopping_criteria=True)
+        self.assertEqual(last_path(), CallPath(path="deferred", reason=None, tail=None, graphs=0, method="greedy"))
+        self.assertEqual(last_path().describe(), "deferred")
+
+    def test_forced_beam_search_reports_its_method(self):
+        self.model.generate(self.ids, attention_mask=self.mask, max_new_tokens=4, num_beams=2, pad_token_id=PAD,
+                            async_stopping_criteria=True)
+        self.assertEqual((last_path().path, last_path().method), ("deferred", "beam search"))
+
+    def test_flag_false_reports_stock_flag_off(self):
+        _greedy(self.model, self.ids, self.mask, async_stopping_criteria=False)
+        self.assertEqual(last_path().describe(), "stock: flag off")
+
+    def test_a_call_that_does_not_ask_for_the_flag_leaves_the_last_report(self):
+        _greedy(self.model, self.ids, self.mask, async_stopping_criteria=True)
+        before = last_path()
+        _greedy(self.model, self.ids, self.mask)
+        self.assertIs(last_path(), before)
+
+    def test_the_flag_in_the_models_generation_config_is_reported(self):
+        self.model.generation_config.async_stopping_criteria = True
+        _greedy(self.model, self.ids, self.mask, do_sample=True, top_k=4)
+        self.assertEqual((last_path().path, last_path().method), ("deferred", "sample"))
+
+    @unittest.skipUnless(LOOP_RELEASES, "the static-cache loop is taken on transformers 5.17+")
+    def test_forced_static_cache_reports_the_static_loop_with_an_eager_tail_on_cpu(self):
+        _greedy(self.model, self.ids, self.mask, cache_implementation="static", async_stopping_criteria=True)
+        path = last_path()
+        self.assertEqual((path.path, path.tail, path.graphs), ("static loop", "eager", 0))
+        self.assertEqual(path.describe(), "deferred, static loop, tail eager")
+
+    def test_a_stock_path_warning_is_the_reported_reason(self):
+        draft = build("llama", seed=3)
+        ids, mask = prompt(batch=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD, assistant_model=draft,
+                                stopping_criteria=StoppingCriteriaList([NeverStop()]), async_stopping_criteria=True)
+        messages = [str(w.message) for w in caught if issubclass(w.category, StockPathWarning)]
+        self.assertEqual(len(messages), 1)
+        path = last_path()
+        self.assertEqual((path.path, path.method), ("stock", "assisted"))
+        self.assertIn(path.reason, messages[0])
+        self.assertEqual(path.describe(), f"stock: {path.reason}")
+
+    def test_a_nested_generate_does_not_replace_the_outer_calls_report(self):
+        judge = JudgeProcessor(build("gpt2", seed=5), flag=False)
+        self.model.generate(self.ids, attention_mask=self.mask, max_new_tokens=3, num_beams=2, pad_token_id=PAD,
+                            logits_processor=LogitsProcessorList([judge]), async_stopping_criteria=True)
+        self.assertTrue(judge.inner)
+        self.assertTrue(all(p.describe() == "stock: flag off" for p in judge.inner))
+        self.assertEqual((last_path().path, last_path().method), ("deferred", "beam search"))
+
+    def test_each_thread_has_its_own_last_path(self):
+        _greedy(self.model, self.ids, self.mask, async_stopping_criteria=True)
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(last_path()))
+        thread.start()
+        thread.join()
+        self.assertEqual(seen, [None])
+        self.assertEqual(last_path().path, "deferred")
+
+
+class Logger(unittest.TestCase):
+    def test_one_info_line_per_call_that_asks_for_the_flag(self):
+        model = build("llama")
+        ids, mask = prompt(batch=2)
+        with self.assertLogs("transformers_async_stop", "INFO") as logs:
+            _greedy(model, ids, mask, async_stopping_criteria=True)
+            _greedy(model, ids, mask)  # does not ask: no line
+            with mock.patch.dict(os.environ, {tas.FORCE_ENV: "0"}):
+                _greedy(model, ids, mask, async_stopping_criteria=True)
+        self.assertEqual(logs.output, ["INFO:transformers_async_stop:generate() [greedy]: deferred",
+                                       "INFO:transformers_async_stop:generate() [greedy]: stock: CPU"])
+
+
+class Describe(unittest.TestCase):
+    def test_the_captured_static_loop_names_its_graphs(self):
+        self.assertEqual(CallPath("static loop", tail="captured", graphs=2).describe(),
+                         "deferred, static loop, tail captured (2 graphs)")
+        self.assertEqual(CallPath("static loop", tail="captured", graphs=1).describe(),
+                         "deferred, static loop, tail captured (1 graph)")
+
+    def test_immediate_gives_its_reason(self):
+        self.assertEqual(CallPath("immediate", reason="the returned cache cannot be rolled back").describe(),
+                         "immediate: the returned cache cannot be rolled back")
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,173 @@
+"""Which path each `generate()` call took, and why: `last_path()` and the `transformers_async_stop` logger.
+
+A call that asks for the flag (`async_stopping_criteria` set to True or False in the call, its generation config or
+the model's) gets a `CallPath`. The decoding method's wrapper fills it in as it decides (`runs_stock` in config.py,
+`deferred_loop`, `static_loop`, `stock`), and when the call returns it becomes this thread's `last_path()` and one
+INFO line of the logger. A `generate()` nested inside another one's processor or criterion has its own report; the
+outer call ends later, so its report is the one left as `last_path()`. An assistant's own `generate()` inside
+assisted decoding reports nothing: the assisted call's report covers it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import threading
+
+from .call_state import CALL, compiling
+
+logger = logging.getLogger("transformers_async_stop")
+
+PATHS = ("stock", "immediate", "deferred", "static loop")
+SYNCHRONOUS = ": the device is synchronous"  # the reason's tail that describe() leaves out
+FLAG_OFF = "flag off"
+NO_LOOP = "no deferred loop for this decoding method"
+CUSTOM = "a `custom_generate` decoding loop is not ours to defer"
+
+
+@dataclasses.dataclass
+class CallPath:
+    """The path one `generate()` call took.
+
+    - path: "stock" (transformers' own loop), "immediate" (the package's loop, each stop verdict read at once: a
+      returned cache that cannot give a step back), "deferred" (the verdict read one step late), or "static loop"
+      (deferred, in the package's own static-cache loop);
+    - reason: why "stock" or "immediate" (the `StockPathWarning` text, "CPU: the device is synchronous", "flag off");
+    - tail: the static loop's step tail, "eager" or "captured" (replayed from CUDA graphs); None elsewhere;
+    - graphs: CUDA graphs captured during the call;
+    - method: "greedy", "sample", "beam search", "beam sample", "assisted", "prompt lookup", or None when no
+      decoding method of the package's was reached.
+    """
+
+    path: str = "stock"
+    reason: str | None = None
+    tail: str | None = None
+    graphs: int = 0
+    method: str | None = None
+
+    def describe(self) -> str:
+        """One line: "deferred, static loop, tail captured (2 graphs)", "stock: CPU", "stock: flag off"."""
+        if self.path == "stock":
+            return f"stock: {_short(self.reason)}" if self.reason else "stock"
+        if self.path == "immediate":
+            return f"immediate: {self.reason}" if self.reason else "immediate"
+        if self.path == "static loop":
+            tail = f", tail {self.tail}" if self.tail else ""
+            if self.graphs:
+                tail += f" ({self.graphs} graph{'s' if self.graphs != 1 else ''})"
+            return f"deferred, static loop{tail}"
+        return "deferred"
+
+
+def _short(reason: str) -> str:
+    return reason[: -len(SYNCHRONOUS)] if reason.endswith(SYNCHRONOUS) else reason
+
+
+_CURRENT: contextvars.ContextVar[CallPath | None] = contextvars.ContextVar("transformers_async_stop_path",
+                                                                          default=None)
+_LAST = threading.local()
+
+
+def last_path() -> CallPath | None:
+    """The path of the last `generate()` call in this thread that asked for `async_stopping_criteria` (None
+    before any)."""
+    return getattr(_LAST, "path", None)
+
+
+# --- the generate() wrapper ---------------------------------------------------------------------------------------
+def begin(model, kwargs: dict):
+    """Open the call's report if it asks for the flag; returns the token `end()` takes (None: nothing to report)."""
+    from .config import FIELD
+
+    outer = CALL.get()
+    if outer is not None and outer.drafting is not None:
+        return None  # an assistant's draft inside a deferred assisted call
+    config = kwargs.get("generation_config")
+    if getattr(config, "is_assistant", False):
+        return None  # an assistant's generate() inside stock assisted decoding
+    value = kwargs.get(FIELD)
+    for source in (config, getattr(model, "generation_config", None)):
+        if value is None:
+            value = getattr(source, FIELD, None)
+    if value is None:
+        return None
+    reason = None if value is True else FLAG_OFF
+    if value is True and kwargs.get("custom_generate") is not None:
+        reason = CUSTOM
+    return _CURRENT.set(CallPath(reason=reason))
+
+
+def end(token) -> None:
+    """Close the call's report: it becomes `last_path()` and one logged line."""
+    if token is None:
+        return
+    report = _CURRENT.get()
+    _CURRENT.reset(token)
+    if report is None:
+        return
+    if report.path == "stock" and report.reason is None:
+        report.reason = NO_LOOP
+    elif report.path in ("deferred", "static loop"):
+        report.reason = None
+    _LAST.path = report
+    if logger.isEnabledFor(logging.INFO):
+        method = f" [{report.method}]" if report.method else ""
+        logger.info("generate()%s: %s", method, report.describe())
+
+
+# --- what the decoding methods report -----------------------------------------------------------------------------
+def _current() -> CallPath | None:
+    return None if compiling() else _CURRENT.get()
+
+
+def decided(method: str, stock_reason: str | None, deferred: bool) -> None:
+    """A decoding method chose its loop (`config.runs_stock`)."""
+    report = _current()
+    if report is None:
+        return
+    report.method = method
+    if deferred:
+        report.path, report.reason = "deferred", None
+    else:
+        report.path = "stock"
+        report.reason = stock_reason or report.reason
+
+
+def stock(reason: str | None) -> None:
+    """A method that had chosen the deferred path handed the call to the stock loop after all."""
+    report = _current()
+    if report is not None:
+        report.path, report.reason = "stock", reason
+
+
+def warned(reason: str) -> None:
+    """A `StockPathWarning` was given: its reason explains a stock call that has none yet."""
+    report = _current()
+    if report is None:
+        return
+    if report.path == "stock" and report.reason in (None, FLAG_OFF):
+        report.reason = reason
+    elif report.path == "deferred" and report.reason is None:
+        report.reason = reason  # kept for `deferred_loop`, should the loop turn out to read at once
+
+
+def deferred_loop(ctl) -> None:
+    """A deferred loop returned: "immediate" if its controller read every verdict at once."""
+    report = _current()
+    if report is not None and report.path == "deferred" and getattr(ctl, "synchronous", False):
+        report.path = "immediate"
+        report.reason = report.reason or "a returned cache that cannot give a step back"
+
+
+def static_loop(captured: bool, graphs: int) -> None:
+    """The static-cache loop ran; its tail was `captured` into `graphs` CUDA graphs, or eager."""
+    report = _current()
+    if report is not None:
+        report.path = "static loop"
+        report.tail = "captured" if captured and graphs else "eager"
+        report.graphs = graphs
+
+
+def method_of(generation_config) -> str:
+    return "sample" if getattr(generation_config, "do_sample", False) else "greedy"
