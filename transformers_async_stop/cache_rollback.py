@@ -2,10 +2,11 @@
 
 Stock transformers can crop a `DynamicCache` (`Cache.crop(-n)` removes n positions in every 5.x release). It cannot
 crop a `StaticCache` (no `crop`, `is_croppable` is False), which is exactly the cache that makes the flag pay off
-(CUDA graphs). A static layer's extra step wrote one position of its preallocated keys/values and, in 5.17+,
-advanced the device counter `cumulative_length`; in 5.0 the length is derived from which positions are non-zero.
-Zeroing that position and stepping the counter back restores the flag-off state bit for bit (the buffers start
-as zeros and the flag-off run never wrote there).
+(CUDA graphs). A static layer's extra step wrote one position of its preallocated keys/values and, from 5.10,
+advanced the device counter `cumulative_length`; before, it wrote where `cache_position` said and the length is
+derived from which positions are non-zero. Zeroing that position and stepping the counter back restores the
+flag-off state bit for bit (the buffers start as zeros and the flag-off run never wrote there). The position is the
+cache's own, never the sequence length: multi-turn callers feed only the tokens the cache lacks, or embeddings.
 
 Sliding-window and recurrent layers overwrite state they cannot give back. 5.17+ can record that state
 (`activate_past_recording`) and `DeferredStopCheck` relies on it; on older releases such a cache, when returned
@@ -53,8 +54,15 @@ def why_not_rollbackable(cache) -> str | None:
     return None
 
 
-def rollback_one_step(cache, kept_length: int) -> None:
-    """Remove position `kept_length` (the extra step) so the cache holds `kept_length` positions, as flag-off."""
+def rollback_one_step(cache, position) -> None:
+    """Give back the one position the extra step's forward wrote, so the cache holds what the flag-off run left.
+
+    Where that position is comes from the cache, never from the sequence length: a caller may feed only the tokens
+    the cache lacks, or `inputs_embeds`, and then the two differ. A layer with its own device counter (5.10+) wrote
+    where the counter pointed: the counter steps back and that slot is cleared, on the device. A layer that writes
+    where `cache_position` says (4.57-5.9) wrote at `position`, the extra step's cache position (a one-element device
+    tensor, `AsyncStop.extra_position`). Either way no value is read on the host.
+    """
     layers, inner = _layers(cache)
     if layers and not _is_static_full(layers[0]):
         # every release: a negative `crop` removes that many positions from every (dynamic) layer
@@ -62,15 +70,40 @@ def rollback_one_step(cache, kept_length: int) -> None:
         return
     for layer in layers:
         keys = getattr(layer, "keys", None)
-        if not isinstance(keys, torch.Tensor) or keys.dim() < 3 or kept_length >= keys.shape[-2]:
-            continue  # never initialised, or the extra step could not have written here
-        keys[..., kept_length, :].zero_()
-        layer.values[..., kept_length, :].zero_()
+        if not isinstance(keys, torch.Tensor) or keys.dim() < 3:
+            continue  # never initialised: the extra step could not have written here
         counter = getattr(layer, "cumulative_length", None)
         if isinstance(counter, torch.Tensor):
-            counter.sub_(1)  # stays on the device: no read
+            counter.sub_(1)
+            slot = counter.reshape(1)
         elif isinstance(counter, int) and counter > 0:
             layer.cumulative_length = counter - 1
+            slot = torch.tensor([counter - 1], device=keys.device)
+        elif position is not None:
+            slot = position.to(keys.device)
+        else:
+            continue
+        # the buffers start as zeros and the flag-off run never wrote this slot
+        keys.index_fill_(keys.dim() - 2, slot, 0)
+        layer.values.index_fill_(layer.values.dim() - 2, slot, 0)
+
+
+def cache_end(cache, first_position):
+    """Where the forward after the prefill writes, as the cache itself counts: the first full static layer's device
+    counter (a one-element view), or, for layers that write where `cache_position` says, one past the prefill's
+    last cache position. None where neither is known."""
+    layers, _ = _layers(cache)
+    for layer in layers or ():
+        if _is_static_full(layer):
+            counter = getattr(layer, "cumulative_length", None)
+            if isinstance(counter, torch.Tensor):
+                return counter.reshape(1)
+            if isinstance(counter, int):
+                return counter
+            break
+    if isinstance(first_position, torch.Tensor) and first_position.numel():
+        return first_position[-1:] + 1
+    return None
 
 
 def capacity(cache) -> int | None:

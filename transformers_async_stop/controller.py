@@ -11,8 +11,10 @@ code sees exactly the calls the flag-off run makes), and `finish()` reports the 
 forward: the sequences, the records, the cache, and the random numbers it drew (the RNG state is snapshotted at the
 end of every step that is not known to be the last, and put back).
 
-`max_length`, and the room left in a fixed-size user cache, are decided on the host at the same step as stock:
-no step ever runs past either.
+`max_length`, and the room left in a fixed-size cache, are decided on the host at the same step as stock: no step
+ever runs past either. The room is counted in the cache's own positions (its counter after the prefill, copied to
+pinned memory once per call and read when first needed), not in sequence length: a multi-turn caller may feed only
+the tokens the cache lacks, or `inputs_embeds`.
 
 Per call: two pinned verdict slots (two token slots with a streamer), two events and one "main stream ready" event.
 Per step: one non-blocking copy (two with a streamer), two event records, two stream waits, two stream switches.
@@ -24,7 +26,7 @@ import warnings
 
 import torch
 
-from .cache_rollback import cache_blocks_deferral, capacity
+from .cache_rollback import cache_blocks_deferral, cache_end, capacity
 from .config import warn_stock
 
 _SIDE_STREAMS: dict[int, list] = {}
@@ -102,7 +104,12 @@ class AsyncStop:
         self.last_length = input_ids.shape[-1]
         self.extra = False  # the step running now is the one the flag-off run never made
         self.overran = False  # an exception left the loop after a step stock never reached had run its forward
-        self.room = None  # positions a fixed-size returned cache can hold, if fewer than max_length
+        self.room = None  # positions a fixed-size cache can hold
+        # 4.57-5.9 static layers write where `cache_position` says: the prefill's positions (the loop's
+        # `cache_position` when it starts), from which the extra step's position follows
+        self.first_position = None
+        self._cache_end = None  # host int: where the first decode forward writes (the cache's end after the prefill)
+        self._cache_end_copy = None  # (pinned tensor, event) until it is read
         self.synchronous = False  # read each verdict at once (a returned cache that cannot give a step back)
         self.cache_seen = False
         self.planned = False  # the per-call plans that need the model and its cache were made (masking.py)
@@ -180,9 +187,9 @@ class AsyncStop:
         self.last_length = length
         if self.max_length is not None and length >= self.max_length:
             return True
-        if self.synchronous or (self.room is not None and length > self.room):
-            # no extra step allowed: read this verdict now, as stock does (a fixed-size cache with no room for
-            # another position, or a returned cache that cannot give one back)
+        if self.synchronous or (self.room is not None and self._end_of_cache() + self.steps - 1 >= self.room):
+            # no extra step allowed: read this verdict now, as stock does (a fixed-size cache with no room for the
+            # next forward's position, or a returned cache that cannot give one back)
             return self._read(self.steps - 1)
         self.rng.snapshot()
         return False
@@ -234,14 +241,36 @@ class AsyncStop:
                 warn_stock(reason)
 
     def _first_sight(self, cache) -> bool:
-        """Note the cache's room the first time it is seen; whether this was the first time."""
+        """Note the cache's room the first time it is seen (after the prefill); whether this was the first time."""
         if self.cache_seen or cache is None:
             return False
         self.cache_seen = True
         room = capacity(cache)
-        if room is not None and (self.max_length is None or room < self.max_length):
-            self.room = room
+        if room is None:
+            return True
+        end = cache_end(cache, self.first_position)
+        if end is None:
+            # nowhere to tell how full it is: never risk a forward past its end
+            self.synchronous = True
+        elif isinstance(end, int) or not self.cuda:
+            self.room, self._cache_end = room, int(end)  # a host value or a CPU tensor: reading costs nothing
+        else:
+            # copied now, in stream order after the prefill; read at the first step's end, by which time the host
+            # has queued that step's work behind the prefill (no idle device)
+            pinned = torch.empty(1, dtype=torch.long, pin_memory=True)
+            pinned.copy_(end, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.room, self._cache_end_copy = room, (pinned, event)
         return True
+
+    def _end_of_cache(self) -> int:
+        """Where the first decode step's forward writes (positions the cache held after the prefill)."""
+        if self._cache_end is None:
+            pinned, event = self._cache_end_copy
+            event.synchronize()
+            self._cache_end, self._cache_end_copy = int(pinned[0]), None
+        return self._cache_end
 
     def finish(self) -> int:
         """After the loop: drain the copies, stream what is left, return how many steps (0 or 1) to undo, and give
@@ -281,11 +310,14 @@ class AsyncStop:
             self._pending = None
             self.main.wait_stream(self.side)
 
-    @property
-    def kept_cache_length(self) -> int:
-        """Positions the flag-off run leaves in the cache: every token but the last returned one (the extra step
-        fed that one, at this position; `last_length` is the flag-off run's final length)."""
-        return self.last_length - 1
+    def extra_position(self):
+        """The cache position the extra step's forward wrote, for layers that write where `cache_position` says
+        (a one-element device tensor: the prefill's last position plus one per step after it), or None. Layers with
+        their own counter need none (`cache_rollback.rollback_one_step`)."""
+        first = self.first_position
+        if isinstance(first, torch.Tensor) and first.numel():
+            return first[-1:] + self.steps
+        return None
 
     def warn_host_verdict(self, criteria) -> None:
         """A user criterion answered with a Python value: it read the device itself, every step."""

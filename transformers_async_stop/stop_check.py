@@ -86,7 +86,7 @@ def patched_deferred_class(original, target):
                 self.cache.crop(-steps)
                 self._stop_recording()
             elif steps:
-                rollback_one_step(self.cache, self._ctl.kept_cache_length)
+                rollback_one_step(self.cache, self._ctl.extra_position())
 
         def _stop_recording(self):
             # an EncoderDecoderCache has no `.layers` (upstream's finish() failed there): its decoder's do
