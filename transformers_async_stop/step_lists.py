@@ -36,25 +36,37 @@ class _EosMask:
     """`MinLengthLogitsProcessor` / `MinNewTokensLengthLogitsProcessor.__call__` with the EOS mask made once per call.
 
     Copied from transformers v4.57.6-v5.23.0 (same body; 5.x spells `isin_mps_friendly` as `torch.isin`, the same
-    function off MPS). Differences: `isin(arange(vocab), eos)` is computed at the first step and kept (stock
-    rebuilds it, two kernels and a sort-free isin, every step); inside the minimum length the stock clone that is
-    immediately replaced is skipped. The same values come out.
+    function off MPS). Differences: `isin(arange(vocab), eos)` is kept between steps while the processor's
+    `eos_token_id` is the same unchanged tensor (stock rebuilds it, two kernels and a sort-free isin, every step);
+    inside the minimum length the stock clone that is immediately replaced is skipped. The minimum and the prompt
+    length are read from the processor at every step, as stock reads them: a criterion or another processor may
+    change them mid-call. The same values come out.
     """
 
-    __slots__ = ("processor", "minimum", "offset", "mask")
+    __slots__ = ("processor", "mask", "_eos")
 
     def __init__(self, processor):
         self.processor = processor
-        if type(processor) is MinLengthLogitsProcessor:
-            self.minimum, self.offset = processor.min_length, 0
-        else:
-            self.minimum, self.offset = processor.min_new_tokens, processor.prompt_length_to_skip
         self.mask = None
+        self._eos = None  # (the eos tensor the mask was made from, its version)
+
+    @property
+    def minimum(self) -> int:
+        processor = self.processor
+        return processor.min_length if type(processor) is MinLengthLogitsProcessor else processor.min_new_tokens
+
+    @property
+    def offset(self) -> int:
+        processor = self.processor
+        return 0 if type(processor) is MinLengthLogitsProcessor else processor.prompt_length_to_skip
 
     def __call__(self, input_ids, scores):
-        if self.mask is None:  # the vocabulary and the device are the call's own
+        eos = self.processor.eos_token_id
+        if self.mask is None or self._eos[0] is not eos or self._eos[1] != getattr(eos, "_version", None):
+            # the vocabulary and the device are the call's own; the EOS ids are the processor's, as they are now
             vocab = torch.arange(scores.shape[-1], device=scores.device)
-            self.mask = torch.isin(vocab, self.processor.eos_token_id)
+            self.mask = torch.isin(vocab, eos)
+            self._eos = (eos, getattr(eos, "_version", None))
         if input_ids.shape[-1] - self.offset < self.minimum:
             return torch.where(self.mask, -math.inf, scores)
         return scores.clone()
