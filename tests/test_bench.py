@@ -20,7 +20,10 @@ import torch
 from transformers.generation.logits_process import LogitsProcessor
 
 from transformers_async_stop import bench, is_patched
-from transformers_async_stop.bench import cases, gpu, measure, report, variants
+from transformers_async_stop import FORCE_ENV
+from transformers_async_stop.bench import cases, cli, gpu, measure, report, variants
+
+LOOP_RELEASES = tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2]) >= (5, 17)
 
 
 class RecordPatched(LogitsProcessor):
@@ -108,6 +111,44 @@ class QuickBenchmark(unittest.TestCase):
             for m in run["variants"].values():
                 self.assertIsNone(m["speedup"])
 
+    def test_each_variant_reports_the_path_its_generate_took(self):
+        for run in self.result["runs"]:
+            paths = {v: m["path"] for v, m in run["variants"].items()}
+            self.assertEqual(paths["stock"], "transformers as shipped", run["label"])
+            self.assertEqual(paths["imported"], "stock: flag off", run["label"])
+            # the CPU suite forces the deferred path (conftest), and so does the CPU benchmark by default
+            static_sample = run["mode"] == "static" and run["decode"] != "beam"
+            expected = "deferred, static loop, tail eager" if static_sample and LOOP_RELEASES else "deferred"
+            self.assertEqual(paths["async"], expected, run["label"])
+        self.assertIn("deferred", self.stdout.split("path")[1])
+
+    def test_the_last_line_says_that_speed_needs_a_gpu(self):
+        self.assertEqual(self.stdout.rstrip().splitlines()[-1], report.NO_RATIO_MESSAGE)
+
+    def test_the_chart_shows_time_relative_to_stock_with_versions_and_the_cpu_note(self):
+        runs, series = report.chart_series(self.result)
+        self.assertEqual(len(runs), len(self.result["runs"]))
+        self.assertNotIn("stock", series)  # stock is the line at 1
+        for name, values in series.items():
+            for run, (ratio, low, high) in zip(runs, values):
+                m = run["variants"][name]
+                self.assertAlmostEqual(ratio, m["ms_per_token"] / run["variants"]["stock"]["ms_per_token"])
+                self.assertLessEqual(low, ratio)
+                self.assertGreaterEqual(high, ratio)
+        titles = []
+        real_title = __import__("matplotlib.axes", fromlist=["Axes"]).Axes.set_title
+        with tempfile.TemporaryDirectory() as tmp, mock.patch(
+                "matplotlib.axes.Axes.set_title", lambda ax, text, *a, **k: titles.append(text) or
+                real_title(ax, text, *a, **k)):
+            path = os.path.join(tmp, "chart.png")
+            report.write_png(self.result, path)
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+        (title,) = titles
+        header = self.result["header"]
+        for part in (f"torch {header['torch']}", f"transformers {header['transformers']}", report.CPU_CHART_NOTE):
+            self.assertIn(part, title)
+
     def test_stock_and_upstream_run_unpatched_and_the_package_is_applied_again(self):
         self.assertTrue(self.patched_after)
         self.assertIsNone(variants.active())
@@ -135,6 +176,26 @@ class QuickBenchmark(unittest.TestCase):
 
 
 class Pieces(unittest.TestCase):
+    def test_png_without_matplotlib_stops_before_the_run_naming_the_install_command(self):
+        err = io.StringIO()
+        with mock.patch.object(report, "can_chart", lambda: False), mock.patch.object(
+                cli, "_main", side_effect=AssertionError("the benchmark ran")), contextlib.redirect_stderr(err):
+            with self.assertRaises(SystemExit) as stop:
+                bench.main(["--quick", "--device", "cpu", "--png", "chart.png"])
+        self.assertEqual(stop.exception.code, 2)
+        self.assertIn("pip install 'transformers_async_stop[bench]'", err.getvalue())
+
+    def test_cpu_runs_force_the_deferred_path_unless_the_caller_set_the_switch(self):
+        seen = []
+        with mock.patch.object(cli, "_main", lambda *a: seen.append(os.environ.get(FORCE_ENV)) or 0):
+            with mock.patch.dict(os.environ):
+                os.environ.pop(FORCE_ENV, None)
+                bench.main(["--device", "cpu"])
+                self.assertNotIn(FORCE_ENV, os.environ)
+                os.environ[FORCE_ENV] = "0"
+                bench.main(["--device", "cpu"])
+        self.assertEqual(seen, ["1", "0"])
+
     def test_cuda_path_with_the_gpu_calls_faked(self):
         """measure_run's CUDA branch (floor, syncs and memory, ratios) and the CUDA table, on CPU: the device calls
         are replaced by fakes, so this checks the bookkeeping and formatting, not any GPU figure."""

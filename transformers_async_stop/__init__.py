@@ -3,7 +3,8 @@
     import transformers_async_stop
     model.generate(input_ids, async_stopping_criteria=True)
 
-Importing applies the patches (see `targets.py` for the list); `unpatch()` restores transformers exactly.
+Importing applies the patches (see `targets.py` for the list); `unpatch()` restores stock transformers, also for
+configs and models created while patched. `last_path()` says which path the last call that asked for the flag took.
 """
 
 from .config import FORCE_ENV, StockPathWarning
@@ -11,7 +12,7 @@ from .patching import apply, is_patched, skipped, unpatch
 from .path_report import CallPath, last_path
 from .static_loop import graph_safe
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["apply", "unpatch", "is_patched", "skipped", "graph_safe", "last_path", "CallPath", "StockPathWarning",
            "FORCE_ENV", "__version__"]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shlex
 import sys
 import time
@@ -11,6 +13,7 @@ import traceback
 import torch
 
 from .. import apply
+from ..config import FORCE_ENV
 from . import __doc__ as PACKAGE_DOC
 from . import assisted, gpu, report
 from .cases import DTYPES, MODES, REFERENCE_CASE, Case, Run, builtin_cases, plan_runs, run_of
@@ -40,7 +43,8 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help=f"tiny cases, few tokens, {QUICK_REPS} reps (CPU CI)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the results as Markdown tables")
-    p.add_argument("--png", metavar="PATH", help="bar chart of ms/token per run (needs matplotlib)")
+    p.add_argument("--png", metavar="PATH", help="bar chart of each variant's time per token relative to stock "
+                                                 "(needs matplotlib: pip install 'transformers_async_stop[bench]')")
     p.add_argument("--trace", metavar="DIR", help="write Chrome traces of ~8 decode steps, stock and async")
     p.add_argument("--device", help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
@@ -52,6 +56,8 @@ def parse_args(argv):
         p.error("--new-tokens must be >= 2 (decode time is differenced against a 1-token call)")
     if args.modes and not {m.strip() for m in args.modes.split(",") if m.strip()} <= set(MODES):
         p.error("--modes takes eager and/or static")
+    if args.png and not report.can_chart():
+        p.error(f"--png needs matplotlib, which is not installed: {report.CHART_INSTALL}")
     args.variant_list = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     if args.variant_list and not set(args.variant_list) <= set(VARIANTS):
         p.error(f"--variants takes {', '.join(VARIANTS)}")
@@ -91,6 +97,25 @@ def main(argv=None, cases: dict[str, Case] | None = None) -> int:
     """Run the benchmark; `cases` replaces the built-in cases (tests pass their own). Returns the exit code."""
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with _forced_on_cpu(device):
+        return _main(args, argv, cases, device)
+
+
+@contextlib.contextmanager
+def _forced_on_cpu(device: torch.device):
+    """On CPU the async rows run the deferred loop (unless the caller set the switch), so that the run checks its
+    output against stock and shows its path; unforced, the flag would run the stock loop there."""
+    if device.type == "cuda" or FORCE_ENV in os.environ:
+        yield
+        return
+    os.environ[FORCE_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(FORCE_ENV, None)
+
+
+def _main(args, argv, cases, device: torch.device) -> int:
     apply()  # whatever the caller did before: the variants start from the package applied
     cases = builtin_cases() if cases is None else cases
     sel = select(args.variant_list, device)

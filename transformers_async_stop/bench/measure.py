@@ -19,9 +19,10 @@ from typing import Callable
 
 import torch
 
+from .. import last_path
 from . import gpu
 from .cases import Run, generate_kwargs, make_inputs
-from .variants import Selection, rep_orders, variant
+from .variants import UNPATCHED, Selection, rep_orders, variant
 
 # (name, variant, baseline): baseline ms / variant ms, > 1 when the variant is faster
 RATIOS = (("async_vs_stock", "async", "stock"), ("async_vs_upstream", "async", "upstream"),
@@ -115,12 +116,14 @@ def measure_run(model, run: Run, sel: Selection, reps: int, device: torch.device
               generate_kwargs(run, model, inputs, 1))
     orders = rep_orders(sel.timed, reps)
 
-    # warm-up (and compilation, in static mode) of each variant; its N-token output is checked against stock's
-    outputs = {}
+    # warm-up (and compilation, in static mode) of each variant; its N-token output is checked against stock's, and
+    # the path its generate() took is noted
+    outputs, paths = {}, {}
     for v in orders[0]:
         progress(f"{run.label} {v}")
         with variant(v) as flag:
             outputs[v] = _sequences(gpu.call(model, ctx.kw_n, flag)).cpu()
+            paths[v] = path_taken(v, ctx)
             gpu.call(model, ctx.kw_1, flag)
     # the reference is stock's output; then stock again as a control: if stock does not repeat itself bit for bit
     # (bf16 ties, nondeterministic kernels), a mismatch of another variant says nothing about that variant
@@ -160,6 +163,7 @@ def measure_run(model, run: Run, sel: Selection, reps: int, device: torch.device
             "gpu_busy": floor / ms if floor is not None and ms > 0 else None,
             "minus_floor_ms": ms - floor if floor is not None else None,
             "exact": None if v == "stock" else bool(torch.equal(outputs[v], reference)),
+            "path": paths[v],
         }
         for metric in METRICS:
             record[v].update(dict.fromkeys(metric.fields))
@@ -187,6 +191,16 @@ def measure_run(model, run: Run, sel: Selection, reps: int, device: torch.device
     return dict(run_fields(run), order=orders, variants=record, floor_ms_per_token=floor, async_gaps_ms=gaps,
                 ratios=found if ctx.cuda else None, exact=all(exact) if exact else None,
                 stock_repeatable=stock_repeatable, error=None)
+
+
+def path_taken(v: str, ctx: Ctx) -> str:
+    """The path of the variant's last generate(): `last_path()` where the package is applied."""
+    if v in UNPATCHED:
+        # upstream's DeferredStopCheck: CUDA with the gate opened, and `_sample` only
+        own = v == "upstream" and ctx.cuda and ctx.run.decode != "beam"
+        return "transformers' DeferredStopCheck" if own else "transformers as shipped"
+    path = last_path()
+    return path.describe() if path is not None else "-"
 
 
 def run_fields(run: Run) -> dict:

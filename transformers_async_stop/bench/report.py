@@ -18,12 +18,12 @@ from .. import __version__
 from ..config import force_deferred
 
 NO_CUDA_MESSAGE = (
-    "CUDA not available: GPU figures (syncs, GPU-busy, floor, memory) are not available on this machine"
+    "CUDA not available: blocking syncs per step, GPU-busy, the floor and memory are counted on CUDA only"
 )
-NO_RATIO_MESSAGE = (
-    "no speedup or ratio columns on CPU: there the flag runs the stock loop (or, forced, the deferred loop on a "
-    "synchronous device) and no GPU idle time exists to win back, so these times say nothing about the flag's gain"
-)
+NO_RATIO_MESSAGE = "speed needs a GPU: on CPU there is no GPU idle time to win back, so these times make no speed claim"
+FORCED_MESSAGE = ("CPU: the async rows run the deferred loop, forced (TRANSFORMERS_ASYNC_STOP_FORCE=1), so that its "
+                  "output can be checked against stock; unforced, the flag runs the stock loop on CPU")
+CPU_CHART_NOTE = "CPU: no speed claim"
 METHOD = ("ms/tok: per rep, (t_N - t_1) / (N - 1) from an N-token and a 1-token call made back to back; the median "
           "over reps. IQR: the interquartile range of those per-rep values, as a % of the median. Variants run "
           "interleaved, rep by rep, in an order rotated each rep.")
@@ -68,7 +68,7 @@ def header(device: torch.device, command: str, args, timed: list[str], floor: bo
         "quick": args.quick,
         "method": METHOD,
         "host_reference": reference,
-        "notes": notes + ([] if cuda else [NO_CUDA_MESSAGE, NO_RATIO_MESSAGE]),
+        "notes": notes + ([] if cuda else [NO_CUDA_MESSAGE] + ([FORCED_MESSAGE] if force_deferred() else [])),
     }
 
 
@@ -117,6 +117,7 @@ COLUMNS = (
     ("GPU-busy", lambda m, r: _fmt(m["gpu_busy"] * 100 if m["gpu_busy"] is not None else None, ".0f", "%"), True),
     ("peak MiB", lambda m, r: _fmt(m["peak_mem_mib"], ".0f"), True),
     ("exact", _exact, False),
+    ("path", lambda m, r: m.get("path") or "", False),
 )
 KEY = ("case", "mode", "batch", "decode", "variant")
 
@@ -209,7 +210,8 @@ def text_report(result: dict) -> str:
         lines += ["", GAP_LEGEND, _aligned([GAP_TITLES] + rows)]
     from . import assisted  # its rows format with this module's helpers
 
-    return "\n".join(lines) + assisted.text_report(result)
+    closing = "" if cuda else "\n\n" + NO_RATIO_MESSAGE
+    return "\n".join(lines) + assisted.text_report(result) + closing
 
 
 # --- files --------------------------------------------------------------------------------------------------------
@@ -232,7 +234,10 @@ def markdown(result: dict) -> str:
     rows = gap_rows(runs)
     if rows:
         lines += ["", GAP_LEGEND + ".", "", _md_table(GAP_TITLES, rows)]
-    lines += ["", METHOD + " " + (LEGEND if cuda else "exact: the variant's output sequences equal stock's."), ""]
+    lines += ["", METHOD + " " + (LEGEND if cuda else "exact: the variant's output sequences equal stock's."),
+              "path: the path the variant's generate() took (`transformers_async_stop.last_path()`).", ""]
+    if not cuda:
+        lines += [f"**{NO_RATIO_MESSAGE}.**", ""]
     from . import assisted
 
     return "\n".join(lines) + assisted.markdown(result)
@@ -255,36 +260,73 @@ def write_outputs(result: dict, args) -> None:
         write_png(result, args.png)
 
 
-def write_png(result: dict, path: str) -> None:
-    try:
-        import matplotlib
+CHART_INSTALL = "pip install 'transformers_async_stop[bench]'"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: skipping --png {path}", file=sys.stderr)
-        return
-    runs = [r for r in result["runs"] if not r.get("error")]
-    names = [v for v in result["header"]["variants"] if v != "floor"]
-    series = {v: [r["variants"].get(v) for r in runs] for v in names}
-    series["floor"] = [{"ms_per_token": r["floor_ms_per_token"]} if r["floor_ms_per_token"] is not None else None
-                       for r in runs]
-    series = {k: ms for k, ms in series.items() if any(m is not None for m in ms)}
+
+def can_chart() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def chart_series(result: dict) -> tuple[list[dict], dict[str, list]]:
+    """The runs with a stock row, and per variant (floor included) each run's (ratio, low, high) to stock's median:
+    variant ms / stock ms (< 1: faster than stock), the bounds from the variant's interquartile range."""
+    runs = [r for r in result["runs"] if not r.get("error") and r["variants"].get("stock")]
+    names = [v for v in result["header"]["variants"] if v not in ("stock", "floor")] + ["floor"]
+    series = {}
+    for name in names:
+        values = []
+        for r in runs:
+            base = r["variants"]["stock"]["ms_per_token"]
+            m = r["variants"].get(name) if name != "floor" else (
+                {"ms_per_token": r["floor_ms_per_token"]} if r["floor_ms_per_token"] is not None else None)
+            if m is None or not base:
+                values.append(None)
+                continue
+            ratio = m["ms_per_token"] / base
+            values.append((ratio, m.get("q1", m["ms_per_token"]) / base, m.get("q3", m["ms_per_token"]) / base))
+        if any(v is not None for v in values):
+            series[name] = values
+    return runs, series
+
+
+def write_png(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = result["header"]
+    runs, series = chart_series(result)
     width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(runs) + 2), 4.5))
-    for i, (name, ms) in enumerate(series.items()):
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.3 * len(runs) + 2), 5.2))
+    ax.axhline(1.0, color="0.3", linewidth=1, linestyle="--", label="stock = 1")
+    for i, (name, values) in enumerate(series.items()):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(runs))]
-        heights = [m["ms_per_token"] if m else 0.0 for m in ms]
-        # error bars: the interquartile range over reps (none for the floor, measured once)
-        low = [m["ms_per_token"] - m["q1"] if m and "q1" in m else 0.0 for m in ms]
-        high = [m["q3"] - m["ms_per_token"] if m and "q3" in m else 0.0 for m in ms]
-        ax.bar(xs, heights, width, yerr=[low, high], capsize=2, label=name)
+        heights = [v[0] if v else 0.0 for v in values]
+        low = [max(0.0, v[0] - v[1]) if v else 0.0 for v in values]
+        high = [max(0.0, v[2] - v[0]) if v else 0.0 for v in values]
+        bars = ax.bar(xs, heights, width, yerr=[low, high], capsize=2, label=name)
+        for bar, v in zip(bars, values):
+            if v:
+                ax.annotate(f"{v[0]:.2f}", (bar.get_x() + bar.get_width() / 2, v[2]), ha="center", va="bottom",
+                            fontsize=6, xytext=(0, 1), textcoords="offset points")
     ax.set_xticks(range(len(runs)))
-    ax.set_xticklabels([r["label"] for r in runs], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("ms per generated token (decode), median and IQR")
-    ax.set_title(f"{result['header']['device_name']}: {' vs '.join(series)}", pad=28)
+    ax.set_xticklabels([f"{r['label']}\nstock {r['variants']['stock']['ms_per_token']:.3f} ms/tok" for r in runs],
+                       rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("decode time per token / stock's (lower is faster)\nmedian over reps, bars: IQR")
+    ax.set_ylim(0, max([1.2] + [v[2] * 1.12 for values in series.values() for v in values if v]))
+    cpu = not h["gpu_figures"]
+    title = (f"{h['device_name']} ({h['device']}), torch {h['torch']}, transformers {h['transformers']}, "
+             f"transformers_async_stop {h['transformers_async_stop']}")
+    if cpu:
+        title += f"\n{CPU_CHART_NOTE}: the flag wins back GPU idle time, and a CPU has none"
+        ax.text(0.5, 0.5, CPU_CHART_NOTE, transform=ax.transAxes, ha="center", va="center", fontsize=28,
+                color="tab:red", alpha=0.25, rotation=15)
+    ax.set_title(title, fontsize=9, pad=30)
     # legend in one row above the plot, clear of the bars
-    ax.legend(ncol=len(series), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False, fontsize=8)
+    ax.legend(ncol=len(series) + 1, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
