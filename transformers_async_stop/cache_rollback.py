@@ -2,7 +2,7 @@
 
 Stock transformers can crop a `DynamicCache` (`Cache.crop(-n)` removes n positions in every 5.x release). It cannot
 crop a `StaticCache` (no `crop`, `is_croppable` is False), which is exactly the cache that makes the flag pay off
-(CUDA graphs). A static layer's extra step wrote one position of its preallocated keys/values and, from 5.10,
+(CUDA graphs). A static layer's extra step wrote one position of its preallocated keys/values and, from 5.4,
 advanced the device counter `cumulative_length`; before, it wrote where `cache_position` said and the length is
 derived from which positions are non-zero. Zeroing that position and stepping the counter back restores the
 flag-off state bit for bit (the buffers start as zeros and the flag-off run never wrote there). The position is the
@@ -58,9 +58,9 @@ def rollback_one_step(cache, position) -> None:
     """Give back the one position the extra step's forward wrote, so the cache holds what the flag-off run left.
 
     Where that position is comes from the cache, never from the sequence length: a caller may feed only the tokens
-    the cache lacks, or `inputs_embeds`, and then the two differ. A layer with its own device counter (5.10+) wrote
+    the cache lacks, or `inputs_embeds`, and then the two differ. A layer with its own device counter (5.4+) wrote
     where the counter pointed: the counter steps back and that slot is cleared, on the device. A layer that writes
-    where `cache_position` says (4.57-5.9) wrote at `position`, the extra step's cache position (a one-element device
+    where `cache_position` says (4.57-5.3) wrote at `position`, the extra step's cache position (a one-element device
     tensor, `AsyncStop.extra_position`). Either way no value is read on the host.
     """
     layers, inner = _layers(cache)

@@ -105,7 +105,7 @@ class AsyncStop:
         self.extra = False  # the step running now is the one the flag-off run never made
         self.overran = False  # an exception left the loop after a step stock never reached had run its forward
         self.room = None  # positions a fixed-size cache can hold
-        # 4.57-5.9 static layers write where `cache_position` says: the prefill's positions (the loop's
+        # 4.57-5.3 static layers write where `cache_position` says: the prefill's positions (the loop's
         # `cache_position` when it starts), from which the extra step's position follows
         self.first_position = None
         self._cache_end = None  # host int: where the first decode forward writes (the cache's end after the prefill)
