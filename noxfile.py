@@ -1,4 +1,4 @@
-"""Test sessions. `nox -s tests releases` runs both (CI runs exactly that, see .ci/run and README.md).
+"""Test sessions. `nox -s tests releases floor` runs the three (CI runs exactly that, see .ci/run and README.md).
 
 - `tests`: the whole suite, one fresh virtualenv per release, on the releases named in README.md:
   4.57.6, 5.0.0, 5.17.0 and 5.23.0.
@@ -7,6 +7,9 @@
   (.nox/_releases/base: torch, accelerate, pytest, parameterized, this package) and each release is installed, with
   its own huggingface_hub/tokenizers/..., into its own `pip install --target` directory (.nox/_releases/<version>)
   that goes first on PYTHONPATH. One release: `nox -s "releases(transformers='5.9.0')"`.
+- `floor`: the lowest torch and transformers that setup.py declares (TORCH_FLOOR, TRANSFORMERS[0]), together: the
+  drift test and the core subset. Its torch comes from the package index with its CUDA libraries (about 5 GB, 5
+  minutes on a 2-core machine; the CPU-only builds live on download.pytorch.org, out of reach of some CI hosts).
 
 torch is pinned to 2.13.0: on the CI machines that is a local CPU build (an unpinned torch pulls GBs of CUDA wheels).
 Every install passes `--no-compile`: byte-compiling torch and transformers at install time is most of the install time
@@ -25,6 +28,7 @@ import nox
 import nox.command
 
 TORCH = "2.13.0"
+TORCH_FLOOR = "2.6.0"  # setup.py's `torch>=2.6`: transformers 5.x's own floor; keep the two in step
 # The whole suite runs on these (keep in step with README.md, "Supported transformers releases").
 TRANSFORMERS = ["4.57.6", "5.0.0", "5.17.0", "5.23.0"]
 # The newest patch release of every minor between them (`pip index versions transformers`), drift + core tests only.
@@ -36,7 +40,7 @@ TEST_DEPS = ["accelerate", "pytest", "parameterized"]
 TEST_ENV = {"TRANSFORMERS_ASYNC_STOP_FORCE": "1", "HF_HUB_OFFLINE": "1"}
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
 
-nox.options.sessions = ["tests", "releases"]
+nox.options.sessions = ["tests", "releases", "floor"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -73,6 +77,17 @@ def releases(session, transformers):
         failed.append("core (-m core)")
     if failed:
         session.error(f"transformers {transformers}: {' and '.join(failed)} failed")
+
+
+@nox.session
+def floor(session):
+    session.install("--no-compile", f"torch=={TORCH_FLOOR}", f"transformers=={TRANSFORMERS[0]}", *TEST_DEPS)
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-c", "import torch, transformers; print('torch', torch.__version__, '| transformers', "
+                "transformers.__version__)")
+    session.run("python", *PYTEST, "tests/test_patching.py", *session.posargs, env=TEST_ENV)
+    session.run("python", *PYTEST, "tests", "-m", "core", "--ignore=tests/test_patching.py", *session.posargs,
+                env=TEST_ENV)
 
 
 # --- the shared environment of `releases` -------------------------------------------------------------------------
