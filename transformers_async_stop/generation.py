@@ -17,7 +17,7 @@ import torch
 from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
 from .call_state import CALL, CallState, active_controller, active_draft, compiling
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
-from . import static_loop
+from . import concurrency, static_loop
 from .controller import AsyncStop
 from .patching import MARKER
 from .peers import PeerVerdict
@@ -37,7 +37,8 @@ def patched_generate(original, target):
         token = CALL.set(CallState(user_cache=kwargs.get("past_key_values") is not None,
                                    slice_inputs="cache_position" not in kwargs))
         try:
-            return original(self, *args, **kwargs)
+            with concurrency.inside_generate():
+                return original(self, *args, **kwargs)
         finally:
             CALL.reset(token)
 
@@ -130,6 +131,7 @@ def patched_sample(original, target):
             streamer=streamer if route_a else None,
             cache_returned=cache_is_returned(generation_config, model_kwargs), route_a=route_a,
         )
+        ctl.first_position = model_kwargs.get("cache_position")  # 4.57-5.3: where the prefill writes
         if synced_gpus:
             ctl.peers = PeerVerdict(input_ids.device)
         if draft is not None:
@@ -196,7 +198,7 @@ def rollback_loop_cache(ctl: AsyncStop, outputs, model_kwargs) -> None:
     cache = None if isinstance(outputs, torch.Tensor) else getattr(outputs, "past_key_values", None)
     cache = loop_cache(model_kwargs) if cache is None else cache
     if cache is not None and why_not_rollbackable(cache) is None:
-        rollback_one_step(cache, ctl.kept_cache_length)
+        rollback_one_step(cache, ctl.extra_position())
 
 
 def trim_recorded(outputs, steps: int) -> None:

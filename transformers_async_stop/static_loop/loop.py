@@ -103,4 +103,4 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
 def _give_back_extra_forward(ctl, cache) -> None:
     """A returned cache loses the position the extra step's forward wrote (an unreturned one is reset on reuse)."""
     if ctl.cache_returned and why_not_rollbackable(cache) is None:
-        rollback_one_step(cache, ctl.kept_cache_length)
+        rollback_one_step(cache, ctl.extra_position())
