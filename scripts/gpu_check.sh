@@ -2,12 +2,14 @@
 # One call on a GPU machine checks and times everything asked for, per transformers release:
 #   bash scripts/gpu_check.sh [what] [extra bench args...]
 # what: a comma list of
-#   tests     CUDA tests (tests/test_cuda.py, tests/test_static_loop.py, tests/test_assisted.py -k Cuda)
+#   tests     CUDA tests (tests/test_cuda.py, tests/test_static_loop.py, the CUDA classes of the files in NEW_CUDA,
+#             tests/test_assisted.py -k Cuda)
 #   overhead  the package's own host time per decode step (scripts/own_overhead.py)
 #   profile   where a decode step's host time goes, stock / upstream / imported / async (scripts/host_profile.py)
 #   bench     the benchmark (python -m transformers_async_stop.bench), extra args passed through
 #   multi     on two GPUs: device_map, tensor parallel, synced_gpus over NCCL
 #   fuzz      the differential fuzz on CUDA (TAS_FUZZ_DRAWS draws, default 200)
+#   usage     the usage fuzzer on CUDA (scripts/usage_fuzz.py, USAGE_DRAWS scenarios, default 1000)
 #   all       tests,overhead,bench
 # Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, PROFILE_VARIANTS,
 # BENCH_TRACE=1.
@@ -31,6 +33,10 @@ site() {  # the carried wheels of one transformers release, in a folder of their
   echo "$dir"
 }
 
+NEW_CUDA="tests/test_capture_safety.py tests/test_static_processors.py tests/test_purity.py tests/test_dynamic_loop.py
+ tests/test_usage_holes.py"
+NEW_CUDA=$(for f in $NEW_CUDA; do [ -f "$f" ] && echo "$f"; done)
+
 has() { case ",$what," in *",$1,"*) return 0 ;; *",all,"*) case $1 in tests|overhead|bench) return 0 ;; esac ;; esac; return 1; }
 
 for tag in ${VERSIONS:-t523}; do
@@ -45,6 +51,10 @@ for tag in ${VERSIONS:-t523}; do
     timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py tests/test_static_loop.py \
       > "$out/pytest_$ver.txt" 2>&1
     grep -E "SYNCS|passed|failed|Error|error" "$out/pytest_$ver.txt" | tail -40
+    # the CUDA classes of the newer test files (their CPU tests run in CI)
+    timeout 300 python3 -m pytest -q -s -p no:cacheprovider $NEW_CUDA -k "Cuda or cuda or Capture" \
+      > "$out/pytest_new_$ver.txt" 2>&1
+    grep -E "SYNCS|passed|failed|Error|error" "$out/pytest_new_$ver.txt" | tail -30
     # assisted decoding's CUDA tests (syncs per verify round); its CPU tests run in CI
     timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_assisted.py -k Cuda \
       > "$out/assisted_$ver.txt" 2>&1
@@ -63,6 +73,11 @@ for tag in ${VERSIONS:-t523}; do
     TAS_FUZZ_DEVICE=cuda TAS_FUZZ_DRAWS=${TAS_FUZZ_DRAWS:-200} timeout 400 python3 -m pytest -q -p no:cacheprovider \
       tests/test_fuzz.py > "$out/fuzz_$ver.txt" 2>&1
     tail -3 "$out/fuzz_$ver.txt"
+  fi
+  if has usage; then
+    timeout 560 python3 scripts/usage_fuzz.py --device cuda --draws "${USAGE_DRAWS:-1000}" \
+      --json "$out/usage_$ver.json" > "$out/usage_$ver.txt" 2>&1
+    tail -12 "$out/usage_$ver.txt"
   fi
   if has multi; then
     timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_device_map.py \

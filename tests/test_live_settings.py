@@ -65,16 +65,10 @@ def _swap_eos(processor):
 
 
 class LiveSettingsEqualStock(unittest.TestCase):
-    @parameterized.expand([(cache, sampling, kind, change.__name__)
-                           for cache in CACHES for sampling in (False, True)
-                           for kind in ("min_new_tokens", "min_length")
-                           for change in (_raise_minimum, _swap_eos)])
-    @pytest.mark.core
-    def test_a_minimum_length_changed_mid_call_is_honoured_as_in_stock(self, cache, sampling, kind, change_name):
+    def _check(self, cache, sampling, kind, change):
         model = build("llama")
         ids, mask = prompt(batch=2)
         eos = eos_ids_finishing_at(model, ids, mask, [4, 5])
-        change = {"_raise_minimum": _raise_minimum, "_swap_eos": _swap_eos}[change_name]
 
         def processor():
             eos_tensor = torch.tensor(eos)
@@ -88,6 +82,19 @@ class LiveSettingsEqualStock(unittest.TestCase):
         assert_same(self, ref[0].sequences, on[0].sequences, "sequences")
         assert_same(self, ref[0].scores, on[0].scores, "scores")
         self.assertTrue(torch.equal(ref[1], on[1]), "RNG state after generate() differs")
+
+    @parameterized.expand([(cache,) for cache in CACHES])
+    @pytest.mark.core
+    def test_a_minimum_raised_mid_call_is_honoured_as_in_stock(self, cache):
+        self._check(cache, False, "min_new_tokens", _raise_minimum)
+
+    @parameterized.expand([(cache, sampling, kind, change.__name__)
+                           for cache in CACHES for sampling in (False, True)
+                           for kind in ("min_new_tokens", "min_length")
+                           for change in (_raise_minimum, _swap_eos)])
+    def test_minimum_length_settings_changed_mid_call_are_honoured_as_in_stock(self, cache, sampling, kind,
+                                                                                change_name):
+        self._check(cache, sampling, kind, {"_raise_minimum": _raise_minimum, "_swap_eos": _swap_eos}[change_name])
 
 
 if __name__ == "__main__":
