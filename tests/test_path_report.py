@@ -21,7 +21,8 @@ LOOP_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
 
 def _greedy(model, ids, mask, **kw):
     kw.setdefault("do_sample", False)
-    return model.generate(ids, attention_mask=mask, max_new_tokens=4, pad_token_id=PAD, **kw)
+    kw.setdefault("max_new_tokens", 4)
+    return model.generate(ids, attention_mask=mask, pad_token_id=PAD, **kw)
 
 
 class NeverStop(StoppingCriteria):
@@ -131,6 +132,38 @@ class Logger(unittest.TestCase):
                 _greedy(model, ids, mask, async_stopping_criteria=True)
         self.assertEqual(logs.output, ["INFO:transformers_async_stop:generate() [greedy]: deferred",
                                        "INFO:transformers_async_stop:generate() [greedy]: stock: CPU"])
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+class OnCuda(unittest.TestCase):
+    """Unforced, as a user runs it: the paths a GPU takes."""
+
+    def setUp(self):
+        patcher = mock.patch.dict(os.environ, {tas.FORCE_ENV: "0"})
+        patcher.start()
+        self.addCleanup(patcher.stop)
+        self.model = build("llama", device="cuda")
+        self.ids, self.mask = prompt(batch=2, device="cuda")
+
+    def test_greedy_with_a_dynamic_cache_is_deferred(self):
+        _greedy(self.model, self.ids, self.mask, async_stopping_criteria=True)
+        self.assertEqual(last_path().describe(), "deferred")
+
+    @unittest.skipUnless(LOOP_RELEASES, "the static-cache loop is taken on transformers 5.17+")
+    def test_a_static_cache_takes_the_static_loop_with_its_tail_captured(self):
+        for _ in range(2):  # the tail is captured the second time a phase is seen
+            _greedy(self.model, self.ids, self.mask, cache_implementation="static", max_new_tokens=8,
+                    async_stopping_criteria=True)
+        path = last_path()
+        self.assertEqual((path.path, path.tail), ("static loop", "captured"))
+        self.assertGreater(path.graphs, 0)
+        self.assertRegex(path.describe(), r"^deferred, static loop, tail captured \(\d+ graphs?\)$")
+
+    @unittest.skipUnless(LOOP_RELEASES, "the static-cache loop is taken on transformers 5.17+")
+    def test_capture_off_leaves_the_tail_eager(self):
+        with mock.patch.dict(os.environ, {"TRANSFORMERS_ASYNC_STOP_CAPTURE": "0"}):
+            _greedy(self.model, self.ids, self.mask, cache_implementation="static", async_stopping_criteria=True)
+        self.assertEqual(last_path().describe(), "deferred, static loop, tail eager")
 
 
 class Describe(unittest.TestCase):
