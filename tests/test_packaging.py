@@ -8,7 +8,6 @@ Offline: the wheel is built with the running interpreter's setuptools (`--no-bui
 from __future__ import annotations
 
 import email
-import os
 import re
 import shutil
 import subprocess
