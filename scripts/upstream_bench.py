@@ -20,7 +20,7 @@ syncs per step = (syncs of the N-token call - syncs of the 1-token call) / (N - 
     # on the GPU machine: installs the carried wheels (.whl/common, .whl/t523, .whl/upstream) into /tmp folders
     # and runs the three variants one process each, then the table
     python3 scripts/upstream_bench.py --device-run --out "$OUT" [--cases ...] [--reps 7]
-    # the table from the JSON records
+    # the table from the JSON records (several calls' records of one variant are merged)
     python scripts/upstream_bench.py --report stock.json patched.json plugin.json
     # CPU smoke test of the whole pipeline (tiny sizes; the deferred paths forced on the CPU)
     python scripts/upstream_bench.py --device-run --smoke --out /tmp/bench-smoke
@@ -240,7 +240,10 @@ def report(files: list[str]) -> str:
     for path in files:
         with open(path) as handle:
             record = json.load(handle)
-        records[record["variant"]] = record
+        if record["variant"] in records:  # the same variant from another call (cases split across calls)
+            records[record["variant"]]["cases"].update(record["cases"])
+        else:
+            records[record["variant"]] = record
     first = next(iter(records.values()))
     lines = [f"{first['device']}, torch {first['torch']}, {first['new_tokens']} new tokens, median of "
              f"{first['reps']} reps; ms/token (GPU busy, syncs per step); speed-up over stock; exact = the same "

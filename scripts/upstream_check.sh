@@ -67,14 +67,16 @@ assert transformers.__file__.startswith('$PATCHED/'), transformers.__file__
 assert hasattr(GenerationConfig(), 'async_stopping_criteria'), 'the series is not in the patched install'
 print('patched transformers', transformers.__version__, 'from', transformers.__file__)"
 
-step "3. the series' own tests, on the patched transformers"
+# Steps 3 and 4 share the two cores: the unpatched equality run goes in the background while the series' tests run.
+step "3. the series' own tests, on the patched transformers (and, alongside, the equality cases on unpatched $VERSION)"
+OMP_NUM_THREADS=1 "$PYTHON_BIN" tests/upstream_equality.py run "$WORK/stock.pt" > "$WORK/stock.log" 2>&1 &
+stock_run=$!
 (cd "$SRC" && PYTHONPATH=$PATCHED "$PYTHON_BIN" -m pytest -q -p no:cacheprovider \
-  tests/generation/test_async_stopping_criteria.py)
+  tests/generation/test_async_stopping_criteria.py) || { kill "$stock_run" 2> /dev/null; exit 1; }
 
 step "4. the equality cases: unpatched $VERSION vs patched (flag off, flag on), the plug-in not imported"
-"$PYTHON_BIN" tests/upstream_equality.py run "$WORK/stock.pt" > "$WORK/stock.log" 2>&1 ||
-  { tail -30 "$WORK/stock.log"; exit 1; }
 PYTHONPATH=$PATCHED "$PYTHON_BIN" tests/upstream_equality.py run "$WORK/patched.pt" --patched \
-  > "$WORK/patched.log" 2>&1 || { tail -30 "$WORK/patched.log"; exit 1; }
+  > "$WORK/patched.log" 2>&1 || { tail -30 "$WORK/patched.log"; kill "$stock_run" 2> /dev/null; exit 1; }
+wait "$stock_run" || { tail -30 "$WORK/stock.log"; exit 1; }
 "$PYTHON_BIN" tests/upstream_equality.py compare "$WORK/stock.pt" "$WORK/patched.pt"
 step "done"
