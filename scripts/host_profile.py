@@ -10,6 +10,15 @@ of the generate() building blocks (input preparation, mask creation, the compile
 the stop check, this package's wrappers), and the functions with the most own time. cProfile inflates Python-heavy
 code; read the figures as shares, and the unprofiled ms/token as the truth.
 
+With --outside-forward, each variant also reports `generate()`'s own host time per decode step outside the model's
+forward (unprofiled; the lowest of 7 N-token minus 1-token differences; on CPU the thread's CPU time with one torch
+thread, so a loaded machine's other processes do not count; on CUDA wall time, the forward synchronized at both
+ends, so the figure is host work only). Variant `async-deferred` is the flag with the dynamic-cache loop switched off
+(`TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP=0`): the deferred path through stock `_sample`. Cases ending in `-padded` run a
+left-padded batch of 8; a case without `static` in its name runs the default DynamicCache; a case with `43089` in its
+name runs transformers #43089's processor and criterion as written there (e.g. `tiny-eager-43089`), other tiny cases
+the declared `ExtraSoftmax` of the docs' tables.
+
 With --gaps (CUDA), each variant's decode steps are also split on the device side (`device_gaps`): busy time, the
 idle gaps between two kernels of one CUDA-graph launch (the forward's graph), and the idle gaps elsewhere (between
 the graph and the loop's own kernels, and between those). The in-graph gap per kernel boundary bounds what any
@@ -19,7 +28,9 @@ host-side change can reach: a whole step captured in one graph would still pay i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
 import json
 import os
 import pstats
@@ -33,7 +44,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from transformers_async_stop.bench.cases import (  # the #43089 workload's criterion/processor, the two models
-    ExtraSoftmax, NeverStop, llama_1b_config, tiny_llama_config)
+    ExtraSoftmax, NeverStop, issue_43089_as_written, llama_1b_config, tiny_llama_config)
 from transformers_async_stop.bench.variants import upstream_available, variant
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,7 +92,9 @@ def case_kwargs(case, model, n):
               do_sample=case.endswith("sample"))
     if "static" in case or case.startswith("llama1b"):
         kw["cache_implementation"] = "static"
-    if case.startswith("tiny"):
+    if "43089" in case:  # transformers #43089's script as written (nothing declared graph_safe)
+        kw.update(issue_43089_as_written(None, model))
+    elif case.startswith("tiny"):
         kw["stopping_criteria"] = StoppingCriteriaList([NeverStop()])
         kw["logits_processor"] = LogitsProcessorList([ExtraSoftmax()])
     return kw
@@ -130,6 +143,69 @@ def report(case, name, kw, kw1, model, flag, n, top, out):
     if out:
         stats.dump_stats(os.path.join(out, f"{case}-{name}.prof"))
     return ms
+
+
+def outside_forward(model, kw, kw1, flag, n, reps=7):
+    """generate()'s own host time per decode step outside the model's forward, in microseconds (unprofiled): the
+    lowest of `reps` (N-token minus 1-token) differences. On CPU the clock is the thread's CPU time with one torch
+    thread, so other processes on a loaded machine do not count; on CUDA it is wall time, the forward synchronized at
+    both ends."""
+    clock = time.thread_time if DEV == "cpu" else time.perf_counter
+    inside = [0.0]
+    real = model.forward
+
+    @functools.wraps(real)
+    def forward(*args, **kwargs):
+        sync()
+        start = clock()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            sync()
+            inside[0] += clock() - start
+
+    def outside(kwargs):
+        inside[0] = 0.0
+        torch.manual_seed(0)
+        sync()
+        start = clock()
+        model.generate(**kwargs, **flag)
+        sync()
+        return clock() - start - inside[0]
+
+    threads = torch.get_num_threads()
+    model.forward = forward  # an instance attribute: `nn.Module.__call__` looks it up per call
+    try:
+        if DEV == "cpu":
+            torch.set_num_threads(1)
+        for _ in range(2):
+            outside(kw), outside(kw1)
+        per_step = [(outside(kw) - outside(kw1)) / (n - 1) * 1e6 for _ in range(reps)]
+    finally:
+        del model.forward
+        torch.set_num_threads(threads)
+    return min(per_step)
+
+
+@contextlib.contextmanager
+def variant_of(name):
+    """`bench.variants.variant`, plus `async-deferred`: the flag with the dynamic-cache loop off."""
+    if name != "async-deferred":
+        with variant(name) as flag:
+            yield flag
+        return
+    from transformers_async_stop.dynamic_loop import DYNAMIC_LOOP_ENV
+
+    before = os.environ.get(DYNAMIC_LOOP_ENV)
+    os.environ[DYNAMIC_LOOP_ENV] = "0"
+    try:
+        with variant("async") as flag:
+            yield flag
+    finally:
+        if before is None:
+            os.environ.pop(DYNAMIC_LOOP_ENV, None)
+        else:
+            os.environ[DYNAMIC_LOOP_ENV] = before
 
 
 GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
@@ -203,6 +279,8 @@ def main():
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--out", help="a folder for the cProfile files (pstats), one per case and variant")
     p.add_argument("--gaps", action="store_true", help="CUDA: split each variant's device time (device_gaps)")
+    p.add_argument("--outside-forward", action="store_true",
+                   help="also generate()'s own host time per step outside the model's forward (outside_forward)")
     args = p.parse_args()
     import torch._dynamo.config as dc
     dc.recompile_limit = 64
@@ -220,8 +298,9 @@ def main():
             if name == "upstream" and not upstream_available():
                 continue
             try:
-                with variant(name) as flag:
+                with variant_of(name) as flag:
                     ms = report(case, name, kw, kw1, model, flag, args.tokens, args.top, args.out)
+                    own = outside_forward(model, kw, kw1, flag, args.tokens) if args.outside_forward else None
                     busy = None
                     if args.gaps and DEV == "cuda":
                         trace = os.path.join(args.out or "/tmp", f"{case}-{name}.trace.json")
@@ -230,13 +309,14 @@ def main():
                             busy = print_gaps(case, name, g)
                         else:
                             print("  device per step: no graph-launched kernel in the trace")
-                    summary.append((case, name, ms, busy))
+                    summary.append((case, name, ms, busy, own))
             except Exception as exc:  # one failing case must not hide the others
                 print(f"{case}/{name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    print("\ncase              variant    ms/token  busy%  busy% if one graph")
-    for case, name, ms, busy in summary:
+    print("\ncase              variant         ms/token  outside-forward us/step  busy%  busy% if one graph")
+    for case, name, ms, busy, own in summary:
         shares = f"{busy[0]:6.1f} {busy[1]:6.1f}" if busy else ""
-        print(f"{case:17s} {name:10s} {ms:8.3f} {shares}")
+        own = f"{own:8.1f}" if own is not None else " " * 8
+        print(f"{case:17s} {name:15s} {ms:8.3f} {own:>24s} {shares}")
 
 
 if __name__ == "__main__":

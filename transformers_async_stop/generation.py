@@ -17,7 +17,7 @@ import torch
 from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
 from .call_state import CALL, CallState, active_controller, active_draft, compiling
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
-from . import concurrency, static_loop
+from . import concurrency, dynamic_loop, static_loop
 from .controller import AsyncStop
 from .patching import MARKER
 from .peers import PeerVerdict
@@ -140,10 +140,15 @@ def patched_sample(original, target):
         # a static cache on 5.17+: the package's own loop, inputs advanced in place and the step's tail replayed
         loop_plan = None if draft is not None or not route_a else static_loop.plan_loop(
             self, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs)
+        # a dynamic cache on 5.17+: the package's lean loop, each step's inputs made from the previous step's
+        lean_plan = None if loop_plan is not None or not route_a else dynamic_loop.plan_loop(
+            self, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs)
         try:
             if loop_plan is not None:
                 outputs = static_loop.run(self, input_ids, stopping_criteria, generation_config, streamer,
                                           model_kwargs, ctl, loop_plan)
+            elif lean_plan is not None:
+                outputs = dynamic_loop.run(self, input_ids, generation_config, streamer, model_kwargs, ctl, lean_plan)
             else:
                 outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
                                    SideStreamCriteria(stopping_criteria, ctl), generation_config,

@@ -359,6 +359,22 @@ SHORTCUTS: tuple[Shortcut, ...] = (
             "are advanced in place and the rest of the step is one CUDA graph replay",
         present="5.17+",
     ),
+    Shortcut(
+        "dynamic decode loop",
+        (f"{_GEN}:GenerationMixin._sample", f"{_GEN}:GenerationMixin.prepare_inputs_for_generation",
+         f"{_GEN}:GenerationMixin._update_model_kwargs_for_generation"),
+        {
+            f"{_GEN}:GenerationMixin._sample": {"61160ef8c121": "5.17.0-5.23.0"},
+            f"{_GEN}:GenerationMixin.prepare_inputs_for_generation": {
+                "13748caf50e9": "5.17.0", "81541ac5a2c2": "5.18.0-5.19.0", "4a63a45d2e0e": "5.20.2-5.22.2",
+                "378c9d0cf4aa": "5.23.0"},
+            f"{_GEN}:GenerationMixin._update_model_kwargs_for_generation": {"9d022aaeb64d": "5.5.4-5.23.0"},
+        },
+        "dynamic_loop.loop.run",
+        why="with a dynamic cache, each step prepares its inputs and updates its kwargs through generic code: "
+            "the next token, position and mask are made from the previous step's",
+        present="5.17+",
+    ),
     # --- assisted decoding and prompt lookup (assisted/) -----------------------------------------------------
     *_ASSISTED_LOOPS,
     Shortcut(

@@ -4,6 +4,16 @@ A case builds one model (random weights from a config, no hub download; or a loc
 runs (mode x batch x decode), all measured on that one model. `generate_kwargs` is the one place where a run turns
 into `generate()` keyword arguments: a case's own extras (user criteria and processors today; an assistant model
 for assisted decoding later) come in through `Case.extra` there.
+
+Named cases of what users run (opt-in: `--cases issue-43089,chat-tiny,chat-llama-1b`), each with a static-cache and
+a dynamic-cache run:
+- `issue-43089`: transformers #43089's script, its processor and criterion as written there (nothing declared
+  `graph_safe`), greedy, batch 1;
+- `chat-tiny`, `chat-llama-1b`: the generation config many chat checkpoints ship (sampling, temperature 0.7,
+  top_p 0.9, top_k 50, repetition_penalty 1.1), on the tiny Llama and on a Llama-1B-shaped bf16 model, batch 1.
+`tiny-llama` stays what the docs' tables measured: the same tiny model with a plain second softmax declared
+`graph_safe`. Which path each variant took, and whether its tail was captured, is the report's `path` column
+(`transformers_async_stop.last_path()`).
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import os
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
@@ -26,7 +37,30 @@ QUICK_NEW_TOKENS = 16
 REFERENCE_CASE = "tiny-llama"  # its stock eager b1 ms/token is each run's host-speed reference
 
 
-# --- the tiny-llama workload of transformers issue #43089 -------------------------------------------------------
+# --- the workload of transformers issue #43089 --------------------------------------------------------------------
+# Two cases run it. `issue-43089` is the issue's script as its users run it: its processor and criterion as written
+# there, nothing declared. `tiny-llama` (the docs' tables, and each run's host-speed reference) is the package's
+# earlier rendering of it: a plain second softmax, declared `graph_safe` as the README asks.
+class AlwaysPassStoppingCriteria(StoppingCriteria):
+    """transformers #43089's criterion, as written there: never stops (the stop flag is still read every step)."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class ExtraSoftmaxLogitsProcessor(LogitsProcessor):
+    """transformers #43089's processor, as written there: log-probabilities through one more softmax. Not declared
+    `graph_safe`: the issue's user does not know about the declaration."""
+
+    def __call__(self, input_ids, scores):
+        return torch.log(F.softmax(scores, dim=-1) + 1e-10)
+
+
+def issue_43089_as_written(run: "Run", model) -> dict:
+    return {"stopping_criteria": StoppingCriteriaList([AlwaysPassStoppingCriteria()]),
+            "logits_processor": LogitsProcessorList([ExtraSoftmaxLogitsProcessor()])}
+
+
 class NeverStop(StoppingCriteria):
     """A user criterion that never fires: the stop flag still has to be read every step."""
 
@@ -47,6 +81,16 @@ class ExtraSoftmax(LogitsProcessor):
 def issue_43089_extras(run: "Run", model) -> dict:
     return {"stopping_criteria": StoppingCriteriaList([NeverStop()]),
             "logits_processor": LogitsProcessorList([ExtraSoftmax()])}
+
+
+# --- the generation config many chat checkpoints ship -------------------------------------------------------------
+CHAT_CONFIG = dict(temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.1)  # with do_sample=True (the runs'
+# decode is "sample"): temperature, top-k and top-p are capturable warpers, `repetition_penalty` reads `input_ids`
+CHAT_RUNS = (("eager", "sample"), ("static", "sample"))
+
+
+def chat_config(run: "Run", model) -> dict:
+    return dict(CHAT_CONFIG)
 
 
 # --- cases and runs -----------------------------------------------------------------------------------------------
@@ -121,6 +165,13 @@ def builtin_cases() -> dict[str, Case]:
     return {
         "tiny-llama": Case("tiny-llama", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
                            extra=issue_43089_extras),
+        # the cases users run (opt-in: name them in --cases); each has a static and a dynamic-cache run
+        "issue-43089": Case("issue-43089", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
+                            extra=issue_43089_as_written, opt_in=True),
+        "chat-tiny": Case("chat-tiny", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
+                          extra=chat_config, plan=CHAT_RUNS, opt_in=True),
+        "chat-llama-1b": Case("chat-llama-1b", _from_config(llama_1b), (1,), 128, 32, "bf16", pad_token_id=0,
+                              extra=chat_config, plan=CHAT_RUNS, opt_in=True),
         "gpt2": Case("gpt2", _from_config(GPT2Config()), (1, 32), 100, 32, "fp32", pad_token_id=50256),
         "llama-1b": Case("llama-1b", _from_config(llama_1b), (1, 32), 128, 32, "bf16", pad_token_id=0),
         **_assisted_cases(),
@@ -150,7 +201,7 @@ def plan_runs(args, device: torch.device, cases: dict[str, Case]) -> list[tuple[
         if unknown:
             raise SystemExit(f"unknown case(s) {unknown}; known: {', '.join(cases)}")
     elif args.quick or device.type != "cuda":
-        names = [n for n, c in cases.items() if c.tiny]
+        names = [n for n, c in cases.items() if c.tiny and not c.opt_in]
     else:
         names = [n for n, c in cases.items() if not c.opt_in and (n != "llama-1b" or _gpu_gib(device) >= 8)]
     selected = [cases[n] for n in names]

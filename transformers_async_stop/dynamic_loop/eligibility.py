@@ -1,0 +1,97 @@
+"""Which `_sample` calls the dynamic-cache loop takes, and what it runs in them: decided once per call.
+
+The loop is taken where it reproduces stock exactly, and nowhere else: a decoder-only model that keeps transformers'
+own `prepare_inputs_for_generation` and `_update_model_kwargs_for_generation` and is not remote code, a plain
+`DynamicCache` (not compileable: stock builds no 4D mask in the input preparation), one new token per step, no
+per-step attentions or hidden states, one device and one process (no `device_map` split, no `synced_gpus` or tensor
+parallelism), no processor that needs keyword arguments (stock raises there: the deferred path does too), and an
+installed transformers whose sources are the ones this loop was read against (`targets.SHORTCUTS`: "dynamic decode
+loop", with the processor and criteria lists' own shortcuts). Every other call runs the deferred path of
+`generation.py`. A static cache goes to `static_loop` first.
+
+An assistant's draft loop inside a deferred assisted call (`assisted/draft.py`) is taken too: its controller is the
+call's `DraftStop`, its criteria the draft's own (`DraftRun.criteria`), and its prefill is stock's with the
+assistant's `is_first_iteration`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ..step_lists import _plan_criterion, _plan_processor
+from ..verified import matches
+
+DYNAMIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP"
+
+
+def _off() -> bool:
+    return os.environ.get(DYNAMIC_LOOP_ENV, "").strip().lower() in ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass
+class DynamicPlan:
+    """What one `_sample` call of the dynamic-cache loop runs."""
+
+    processors: list  # callables (input_ids, scores) -> scores, in order (`_plan_processor`)
+    criteria: list  # planned `(criterion, kind)` pairs, folded after each step (`fold_criteria`)
+    do_sample: bool
+    has_eos: bool  # stock's `has_eos_stopping_criteria`: finished rows get the pad token
+    scores: bool  # return the processed scores of each step
+    logits: bool  # return the raw logits of each step
+
+
+def plan_loop(model, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs):
+    """The call's `DynamicPlan`, or None where the deferred path of `generation.py` runs instead."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.generation.utils import GenerationMixin
+
+    if _off() or synced_gpus:
+        return None
+    if model.config.is_encoder_decoder or not model_kwargs.get("use_cache", True):
+        return None
+    if len(set(getattr(model, "hf_device_map", {}).values())) > 1 or torch.distributed.is_initialized():
+        return None  # a model split over devices or processes
+    if generation_config.return_dict_in_generate and (generation_config.output_attentions
+                                                      or generation_config.output_hidden_states):
+        return None
+    kind = type(model)
+    if (kind.prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation
+            or kind._update_model_kwargs_for_generation is not GenerationMixin._update_model_kwargs_for_generation):
+        return None
+    if _is_remote_code(model):
+        return None  # stock adds a `cache_position` for remote code every step
+    cache = model_kwargs.get("past_key_values")
+    if type(cache) is not DynamicCache or getattr(cache, "is_compileable", False):
+        return None
+    # full-attention layers only: a sliding window's cache is left to the deferred path (its rollback differs);
+    # an empty user cache may have no layer yet (it makes `DynamicLayer`s lazily)
+    if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", ()) or ()):
+        return None
+    if not (matches("dynamic decode loop") and matches("LogitsProcessorList.__call__")
+            and matches("StoppingCriteriaList.__call__")):
+        return None
+
+    processors = []
+    for processor in logits_processor:
+        planned, extra = _plan_processor(processor)
+        if extra:
+            return None  # stock raises for a processor that needs keyword arguments: the deferred path does too
+        processors.append(planned)
+    rdig = generation_config.return_dict_in_generate
+    return DynamicPlan(
+        processors=processors, criteria=[(c, _plan_criterion(c)) for c in stopping_criteria],
+        do_sample=bool(generation_config.do_sample),
+        has_eos=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
+        scores=bool(rdig and generation_config.output_scores), logits=bool(rdig and generation_config.output_logits),
+    )
+
+
+def _is_remote_code(model) -> bool:
+    is_remote = getattr(model, "is_remote_code", None)
+    try:
+        return bool(is_remote()) if callable(is_remote) else False
+    except Exception:  # a model whose check fails is treated as remote code: the deferred path runs
+        return True

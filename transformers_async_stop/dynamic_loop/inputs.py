@@ -1,0 +1,91 @@
+"""The forward's inputs of a dynamic-cache decode step, made from the previous step's without the generic machinery.
+
+Copied from transformers v5.17.0-v5.23.0 `GenerationMixin.prepare_inputs_for_generation` and
+`_update_model_kwargs_for_generation`, as they act on a decode step (one new token) of a decoder-only model whose
+cache is not compileable. Per step stock appends `last + 1` to the position ids and a column of ones to the 2D
+attention mask (when generate() kept one), then builds a new input dict: the last token sliced and cloned, the last
+position sliced and cloned, the grown 2D mask, the cache object and every other keyword unchanged. The model builds
+its 4D mask itself, inside its forward, from that 2D mask (or from none), exactly as in stock.
+
+Here the first decode step's inputs come from the real `prepare_inputs_for_generation`, and each later step's are:
+- `input_ids`: the step's token as a (batch, 1) view of the token vector (stock: `input_ids[:, -1:].clone()`, the
+  same values, shape, dtype and strides);
+- `position_ids`: the previous step's plus one (stock: a cat of `last + 1`, then a slice and a clone of it);
+- `attention_mask`: the previous one with the call's one column of ones appended (stock: `new_ones` and a cat), tagged
+  for the sync-free SDPA check (`masking.py`) as the patched `_update_model_kwargs_for_generation` tags it;
+- every other entry: the object stock passes again (the cache, `use_cache`, `logits_to_keep`...).
+The positions come from the tensor stock advances (generate()'s position ids, made from the mask or from the cache's
+length); nothing here reads the device or derives a position from a host length.
+
+Any input this does not know how to advance (another tensor such as `token_type_ids`, a mask stock did not pass
+through unchanged, inputs moved to another device, a remote-code `cache_position`) leaves the loop on stock's own
+`prepare_inputs_for_generation` and `_update_model_kwargs_for_generation` every step.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .. import masking
+from ..call_state import CALL
+from ..static_loop.inputs import _holds_tensor
+
+_ADVANCED = frozenset(("input_ids", "position_ids", "attention_mask"))
+
+
+class DecodeInputs:
+    """The decode-step inputs of one loop; `next(tokens)` turns step t's into step t+1's."""
+
+    __slots__ = ("inputs", "positions", "mask", "ones", "summary", "state")
+
+    def __init__(self, inputs: dict, positions, mask):
+        self.inputs = inputs
+        self.positions = positions
+        self.mask = mask
+        self.ones = None if mask is None else mask.new_ones((mask.shape[0], 1))  # stock: `new_ones` every step
+        # the grown mask carries the prompt mask's summary, as `masking.patched_update_model_kwargs` would tag it
+        tag = masking._tag_of(mask) if mask is not None else None
+        self.summary = tag[0] if tag is not None and masking._worth_it(mask) else None
+        self.state = CALL.get()
+
+    @classmethod
+    def build(cls, model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[dict, "DecodeInputs | None"]:
+        """The first decode step's inputs, from stock's `prepare_inputs_for_generation`, and the `DecodeInputs` that
+        advances them (None: stock rebuilds them every step)."""
+        inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
+        for key, value in inputs.items():
+            if key not in _ADVANCED and key != "past_key_values" and _holds_tensor(value):
+                return inputs, None
+        if inputs.get("past_key_values") is not model_kwargs.get("past_key_values"):
+            return inputs, None
+        ids, positions, mask = inputs.get("input_ids"), inputs.get("position_ids"), inputs.get("attention_mask")
+        if not _one_column(ids) or ids.device != input_ids.device:
+            return inputs, None  # sliced differently, or moved to the model's device
+        if positions is not None and (not isinstance(positions, torch.Tensor) or positions.shape[-1] != 1
+                                      or positions.device != ids.device):
+            return inputs, None
+        if mask is not None and (mask is not model_kwargs.get("attention_mask") or mask.dim() != 2
+                                 or mask.device != ids.device):
+            return inputs, None
+        return inputs, cls(inputs, positions, mask)
+
+    def next(self, tokens: torch.Tensor) -> dict:
+        """Step t+1's inputs, given step t's tokens (what stock appended to `input_ids`)."""
+        inputs = self.inputs
+        inputs["input_ids"] = tokens[:, None]
+        if self.positions is not None:
+            self.positions = inputs["position_ids"] = self.positions + 1
+        if self.mask is not None:
+            self.mask = inputs["attention_mask"] = torch.cat([self.mask, self.ones], dim=-1)
+            if self.summary is not None:
+                masking._tag(self.mask, self.summary, self.mask.shape[-1])
+                if self.state is not None:
+                    self.state.fed_mask = weakref.ref(self.mask)
+        return inputs
+
+
+def _one_column(tensor) -> bool:
+    return (isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[1] == 1
+            and tensor.dtype == torch.long and tensor.is_contiguous())
