@@ -8,7 +8,10 @@ replayed graph equal to eager, and static-cache generate() with each kind equal 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
+import logging
 import math
 import random
 import time
@@ -179,7 +182,7 @@ def _host(kind):
             if kind == "bool":
                 return scores * 2 if (scores > 0).any() else scores
             if kind == "cpu":
-                return scores.cpu() * 2
+                return (scores.cpu() * 2).to(scores.device)
             if kind == "nonzero":
                 return scores + (scores > 0).nonzero().shape[0]
             if kind == "mask":
@@ -257,6 +260,51 @@ class OwnGenerator(LogitsProcessor):
         return scores + torch.rand(scores.shape, generator=gen, device=scores.device)
 
 
+class TriesHostRead(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        try:
+            return scores - scores.max().item()
+        except RuntimeError:
+            return scores
+
+
+_LOG = logging.getLogger("test_purity")
+
+
+class Logs(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        _LOG.debug("a step")  # runs the logging module's Python (a lock, handlers): not provable
+        return scores
+
+
+_Settings = collections.namedtuple("_Settings", "scale")
+
+
+class NamedTupleSettings(LogitsProcessor):
+    def __init__(self):
+        self.settings = _Settings(0.5)
+
+    def __call__(self, input_ids, scores):
+        return scores * self.settings.scale
+
+
+class HoldsDeque(LogitsProcessor):
+    def __init__(self):
+        self.window = collections.deque([0.5])  # a C container: its contents are invisible to a fingerprint
+
+    def __call__(self, input_ids, scores):
+        return scores * self.window[0]
+
+
+class CachedMethod(LogitsProcessor):
+    @functools.lru_cache(maxsize=None)
+    def factor(self):
+        return 0.5
+
+    def __call__(self, input_ids, scores):
+        return scores * self.factor()
+
+
 class HoldsRng(LogitsProcessor):
     def __init__(self):
         self.rng = random.Random(0)
@@ -266,12 +314,17 @@ class HoldsRng(LogitsProcessor):
 
 
 class StateTensor(LogitsProcessor):
-    def __init__(self, vocab):
-        self.seen = torch.zeros(vocab)
+    def __init__(self, vocab, device="cpu"):
+        self.seen = torch.zeros(vocab, device=device)
 
     def __call__(self, input_ids, scores):
+        self.seen = self.seen.to(scores.device)  # (a no-op after the first call)
         self.seen.add_(1)
         return scores - self.seen
+
+
+class _Sub(torch.Tensor):
+    pass
 
 
 VOCAB = 48
@@ -280,7 +333,7 @@ PURE = {
     "class_constant_and_method": ClassConstant, "batch_size_and_nested_code": BatchAware,
     "constant_tensor": ConstantTensor, "noise_default_generator": Noise, "dtype_round_trip": Half,
     "wraps_a_builtin": WrapsTopK, "nn_module": lambda: Learned(VOCAB), "global_helper": UsesHelper,
-    "reads_another_object": ReadsConfig, "partial": lambda: functools.partial(scaled, factor=0.5),
+    "reads_another_object": ReadsConfig, "namedtuple_settings": NamedTupleSettings, "partial": lambda: functools.partial(scaled, factor=0.5),
     "function": lambda: scaled, "closure": lambda: closure_processor(0.25), "lambda": lambda: (lambda i, s: s * 3),
 }
 IMPURE = {
@@ -289,7 +342,7 @@ IMPURE = {
     **{f"input_ids_{k}": functools.partial(_reads_ids, k) for k in ("length", "unpack", "size", "last", "gather")},
     "mutates_scores": MutatesScores, "mutates_scores_in_place_op": MutatesScoresInPlaceOp, "mutates_ids": MutatesIds,
     "prints": Prints, "clock": Clock, "python_random": PyRandom, "explicit_generator": OwnGenerator,
-    "writes_state_tensor": lambda: StateTensor(VOCAB),
+    "writes_state_tensor": lambda: StateTensor(VOCAB), "tries_a_host_read": TriesHostRead, "logs": Logs,
 }
 
 
@@ -339,8 +392,10 @@ class GuardFor(unittest.TestCase):
         for a, b in ((want, got), (want_ids, got_ids), (want_scores, got_scores)):  # same result, same side effects
             self.assertTrue(torch.equal(a, b))
 
-    def test_state_that_cannot_be_snapshotted_gives_no_guard(self):
-        self.assertIsNone(guard_for(HoldsRng()))
+    @parameterized.expand([("random_state", HoldsRng), ("deque", HoldsDeque), ("lru_cache", CachedMethod),
+                           ("tensor_subclass", lambda: Scale(torch.ones(2).as_subclass(_Sub)))])
+    def test_state_that_no_fingerprint_sees_gives_no_guard(self, _, make):
+        self.assertIsNone(guard_for(make()))
 
     def test_a_raising_processor_raises_as_in_stock_and_is_rejected(self):
         guard = guard_for(Raises())
@@ -558,14 +613,14 @@ def _static_generate(model, ids, mask, processor, flag, sampling, criteria=()):
     kw = dict(max_new_tokens=12, pad_token_id=PAD, cache_implementation="static", disable_compile=True,
               do_sample=sampling, logits_processor=LogitsProcessorList([processor]),
               stopping_criteria=StoppingCriteriaList(list(criteria)), return_dict_in_generate=True,
-              output_scores=True)
+              output_scores=True, output_logits=True)
     if flag:
         kw["async_stopping_criteria"] = True
-    return model.generate(ids, attention_mask=mask, **kw), torch.rand(4, device="cuda")
+    return model.generate(ids, attention_mask=mask, **kw), torch.rand(4, device=ids.device)
 
 
 class _SetsConfigAfter(StoppingCriteria):
-    """A user criterion that changes what `ReadsConfig` reads, mid-generation (after its `n`-th call)."""
+    """A user criterion that changes what `ReadsConfig` reads, mid-generation (at its `n`-th call)."""
 
     def __init__(self, n):
         self.n, self.calls = n, 0
@@ -577,36 +632,55 @@ class _SetsConfigAfter(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-@unittest.skipUnless(CUDA and TRANSFORMERS_VERSION >= (5, 17), "needs a CUDA device and transformers 5.17+")
-class StaticGenerateOnCuda(unittest.TestCase):
-    """Each kind of processor in a static-cache generate() with the flag equals unpatched stock (fresh processors
-    per run: stateful ones must start equal)."""
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
-    @parameterized.expand([(name, sampling) for name in sorted({**PURE, **IMPURE}) for sampling in (False, True)
-                           if not name.startswith(("mutates_", "input_ids_gather"))])
-    def test_equals_stock(self, name, sampling):
+
+@unittest.skipUnless(TRANSFORMERS_VERSION >= (5, 17), "the static-cache loop is taken on transformers 5.17+")
+class StaticGenerateEqualsStock(unittest.TestCase):
+    """Each kind of processor in a static-cache generate() with the flag equals unpatched stock: sequences, scores,
+    logits and the RNG state after. Fresh processors per run (stateful ones must start equal). On CPU the loop's
+    tail runs eagerly (observe included); on CUDA it is captured where the processor is proven pure."""
+
+    @parameterized.expand([(name, sampling, device) for name in sorted({**PURE, **IMPURE}) for sampling in (False, True)
+                           for device in DEVICES if name != "mutates_ids"])
+    def test_equals_stock(self, name, sampling, device):
+        self._check(name, sampling, device)
+
+    @unittest.expectedFailure
+    def test_a_processor_writing_input_ids_in_place_equals_stock(self):
+        # Known divergence of the loop's eager tail, not of purity (fails with `guard_for` returning None too): for
+        # several rows it hands processors a copy of the sequence prefix (`tail.prefix`), so an in-place write to
+        # `input_ids` reaches stock's output and not the loop's. An unexpected success here means it was fixed.
+        self._check("mutates_ids", False, "cpu")
+
+    def _check(self, name, sampling, device):
         make = {**PURE, **IMPURE}[name]
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=2, device="cuda")
+        model = build("llama", device=device)
+        ids, mask = prompt(batch=2, device=device)
+
+        def processor():
+            made = make()
+            return made.to(device) if isinstance(made, torch.nn.Module) else made
+
         _reset()
         with stock():
-            ref = _static_generate(model, ids, mask, make(), False, sampling)
+            ref = _static_generate(model, ids, mask, processor(), False, sampling)
         _reset()
-        on = _static_generate(model, ids, mask, make(), True, sampling)
+        on = _static_generate(model, ids, mask, processor(), True, sampling)
         assert_same(self, ref, on)
 
-    def test_a_value_changed_mid_generation_is_seen_as_in_stock(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=2, device="cuda")
+    @parameterized.expand(DEVICES)
+    def test_a_value_changed_mid_generation_is_seen_as_in_stock(self, device):
+        model = build("llama", device=device)
+        ids, mask = prompt(batch=2, device=device)
         runs = []
-        for flag in (False, True):
+        try:
+            for flag in (False, True):
+                _CONFIG.scale = 1.0
+                with (stock() if not flag else contextlib.nullcontext()):
+                    runs.append(_static_generate(model, ids, mask, ReadsConfig(), flag, True, [_SetsConfigAfter(6)]))
+        finally:
             _CONFIG.scale = 1.0
-            if flag:
-                runs.append(_static_generate(model, ids, mask, ReadsConfig(), True, True, [_SetsConfigAfter(6)]))
-            else:
-                with stock():
-                    runs.append(_static_generate(model, ids, mask, ReadsConfig(), False, True, [_SetsConfigAfter(6)]))
-        _CONFIG.scale = 1.0
         assert_same(self, *runs)
 
 

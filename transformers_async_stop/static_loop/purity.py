@@ -297,9 +297,11 @@ _LEAVES = frozenset((bool, int, float, str, bytes, complex, torch.dtype, torch.d
                      torch.memory_format, type(Ellipsis), type(NotImplemented), types.CodeType, range, slice,
                      types.UnionType, types.GenericAlias))  # immutable all the way down
 _C_DESCRIPTORS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.GetSetDescriptorType,
-                  types.MemberDescriptorType, types.MethodWrapperType, types.ClassMethodDescriptorType)
+                  types.MemberDescriptorType, types.MethodWrapperType, types.ClassMethodDescriptorType,
+                  type(collections.namedtuple("_", "a").a))  # a namedtuple's field getters
 _EMPTY = object()
 _SLOTS: dict = {}
+_PYTHON_CLASSES: dict = {}
 
 
 def _trusted(module_name) -> bool:
@@ -307,13 +309,19 @@ def _trusted(module_name) -> bool:
 
 
 def _python_class(cls) -> bool:
-    """Made by a class statement, its state in `__dict__` and slots. A C extension's classes are heap types too,
-    but their state lives in C, where no fingerprint sees it."""
-    if not cls.__flags__ & (1 << 9):  # Py_TPFLAGS_HEAPTYPE
-        return False
-    module = sys.modules.get(cls.__module__)
-    return (str(getattr(module, "__file__", "") or "").endswith(".py") or cls.__module__ == "__main__"
-            or any(type(v) is types.FunctionType for v in cls.__dict__.values()))
+    """Made by a class statement: its instances' state is their `__dict__` and slots. A C extension's classes are
+    heap types too, but their state is a C struct no fingerprint sees, which shows as a larger instance size."""
+    known = _PYTHON_CLASSES.get(cls)
+    if known is None:
+        bases = [b for b in cls.__bases__ if b is not object]
+        own = cls.__dict__.get("__slots__", ())
+        own = [own] if isinstance(own, str) else [n for n in own if n not in ("__dict__", "__weakref__")]
+        grown = cls.__basicsize__ - max((b.__basicsize__ for b in cls.__bases__), default=object.__basicsize__)
+        known = _PYTHON_CLASSES[cls] = bool(
+            cls.__flags__ & (1 << 9) and all(_python_class(b) for b in bases)  # Py_TPFLAGS_HEAPTYPE
+            and 0 <= grown <= 8 * (len(own) + 2)  # slots, then at most a dict and a weakref pointer
+            and (cls.__dictoffset__ != 0 or "__slots__" in cls.__dict__))
+    return known
 
 
 def _slots(cls) -> tuple:
