@@ -1,0 +1,89 @@
+"""Run N usage scenarios (tests/usage_scenarios.py) stock vs `async_stopping_criteria=True`, print the counts and the
+shrunk failing scenarios.
+
+    python scripts/usage_fuzz.py --draws 1000 --seed 0 [--device cuda] [--only 3,17] [--shrink 120] [--json out.json]
+
+Counts: drawn, passed, failed, skipped (stock raised, and the flag raised the same: nothing else to compare), and
+crashed outside generate() (the harness or a poisoned process). Each failure is shrunk (`--shrink` tries, 0: off) to
+a minimal scenario, printed as JSON that `--scenario '<json>'` replays. On CPU the deferred path is forced
+(TRANSFORMERS_ASYNC_STOP_FORCE=1, as the CPU test suite does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--draws", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default="")
+    ap.add_argument("--scenario", default="", help="one scenario as JSON (a shrunk one) instead of seeds")
+    ap.add_argument("--device", default=os.environ.get("TAS_USAGE_DEVICE", "cpu"))
+    ap.add_argument("--shrink", type=int, default=120, help="shrinking tries per failure (0: no shrinking)")
+    ap.add_argument("--max-failures", type=int, default=20, help="stop after this many failures")
+    ap.add_argument("--json", default="", help="write the counts and failures here")
+    args = ap.parse_args()
+    if args.device == "cpu":
+        os.environ.setdefault("TRANSFORMERS_ASYNC_STOP_FORCE", "1")
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from usage_runner import check
+    from usage_scenarios import draw, dumps, shrink
+
+    if args.scenario:
+        scenarios = [(None, json.loads(args.scenario))]
+    else:
+        seeds = [int(s) for s in args.only.split(",") if s.strip()] or range(args.seed, args.seed + args.draws)
+        scenarios = [(s, draw(s, args.device)) for s in seeds]
+
+    def outcome(sc):
+        try:
+            return check(sc, args.device)
+        except Exception as exc:  # noqa: BLE001
+            return "crashed", f"{type(exc).__name__} outside generate(): {exc}"
+
+    counts, failures, start = collections.Counter(), [], time.time()
+    print(f"transformers {transformers.__version__}, device {args.device}", flush=True)
+    for seed, sc in scenarios:
+        status, detail = outcome(sc)
+        counts["drawn"] += 1
+        if counts["drawn"] % 25 == 0:
+            print(f"  {counts['drawn']} drawn, {time.time() - start:.0f}s: {dict(counts)}", flush=True)
+        counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(status, status)] += 1
+        if status in ("fail", "crashed"):
+            print(f"FAIL seed {seed}: {detail[:400]}", flush=True)
+            small = sc
+            if args.shrink:
+                small = shrink(sc, lambda c: outcome(c)[0] == status, budget=args.shrink)
+                detail = outcome(small)[1]
+            failures.append({"seed": seed, "detail": detail, "scenario": small})
+            print(f"  shrunk: {dumps(small)}\n  differs: {detail[:600]}", flush=True)
+            if len(failures) >= args.max_failures:
+                print("stopping: --max-failures reached")
+                break
+    elapsed = time.time() - start
+    print(f"transformers {transformers.__version__} device {args.device}: " +
+          " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed")) +
+          f" in {elapsed:.0f}s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"transformers": transformers.__version__, "device": args.device, "counts": counts,
+                       "seconds": elapsed, "failures": failures}, f, indent=1, default=str)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

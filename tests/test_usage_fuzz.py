@@ -1,0 +1,90 @@
+"""The usage fuzzer's fixed-seed slice: whole usage scenarios (usage_scenarios.py) run on stock transformers and with
+`async_stopping_criteria=True` (usage_runner.py), everything the caller observes compared bit for bit.
+
+A scenario where stock itself raises counts as passed when the flag raises the same (type and message). A failing
+seed is reported with its scenario; `python scripts/usage_fuzz.py --only <seed>` replays it and shrinks it.
+
+Environment:
+- `TAS_USAGE_DRAWS`: number of scenarios (default 40: about 2 minutes on 2 CPU cores);
+- `TAS_USAGE_SEED`: the first scenario's seed (default 0; scenario i uses seed TAS_USAGE_SEED + i);
+- `TAS_USAGE_ONLY`: a comma-separated list of seeds to replay instead;
+- `TAS_USAGE_DEVICE`: where the models run (default cpu; `cuda` on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import unittest
+
+from parameterized import parameterized
+
+from usage_runner import check
+from usage_scenarios import CACHES, CRITERIA, PROCESSORS, draw, dumps
+
+DEVICE = os.environ.get("TAS_USAGE_DEVICE", "cpu")
+CHUNK = 10
+
+
+def _seeds() -> list[int]:
+    only = os.environ.get("TAS_USAGE_ONLY", "").strip()
+    if only:
+        return [int(s) for s in only.split(",") if s.strip()]
+    first = int(os.environ.get("TAS_USAGE_SEED", "0"))
+    return list(range(first, first + int(os.environ.get("TAS_USAGE_DRAWS", "40"))))
+
+
+SEEDS = _seeds()
+CHUNKS = [SEEDS[i:i + CHUNK] for i in range(0, len(SEEDS), CHUNK)]
+
+
+class UsageFuzz(unittest.TestCase):
+    @parameterized.expand([(f"seeds_{c[0]}_to_{c[-1]}", c) for c in CHUNKS])
+    def test_flag_on_equals_stock(self, _, seeds):
+        failures = []
+        for seed in seeds:
+            sc = draw(seed, DEVICE)
+            try:
+                status, detail = check(sc, DEVICE)
+            except Exception as exc:  # noqa: BLE001 - a crash outside generate() is a failure of the seed too
+                status, detail = "fail", f"{type(exc).__name__} outside generate(): {exc}"
+            if status == "fail":
+                failures.append(f"seed {seed}: {detail}\n    {dumps(sc)}")
+        self.assertEqual(failures, [], f"{len(failures)} of {len(seeds)} scenarios differ from stock (shrink with "
+                                       f"`python scripts/usage_fuzz.py --only <seed>`):\n" + "\n".join(failures))
+
+
+class DrawsCoverUsage(unittest.TestCase):
+    """The draws reach every dimension (so the slice cannot silently shrink to easy cases)."""
+
+    def test_every_dimension_is_drawn(self):
+        cases = [draw(seed, DEVICE) for seed in range(400)]
+        turns = [t for c in cases for t in c["turns"]]
+        self.assertEqual({c["cache"] for c in cases}, set(CACHES))
+        self.assertEqual({c["family"] for c in cases}, {"llama", "qwen2", "gpt2", "mistral"})
+        self.assertEqual({c["attn"] for c in cases}, {"sdpa", "eager"})
+        self.assertEqual({len(c["turns"]) for c in cases}, {1, 2, 3, 4})
+        rooms = collections.Counter(c.get("room") for c in cases if c["cache"] == "user_static")
+        self.assertTrue({"roomy", 0, 1} <= set(rooms), rooms)
+        self.assertEqual({t["feed"] for t in turns}, {"full", "new"})
+        for key in ("embeds", "streamer", "return_dict", "output_scores", "output_logits", "left_pad"):
+            self.assertTrue(any(t.get(key) for t in turns) and not all(t.get(key) for t in turns), key)
+        for key in ("min_new_tokens", "num_return_sequences", "stale_cache", "restart", "pad_omitted", "use_cache",
+                    "max_length_extra"):
+            self.assertTrue(any(key in t for t in turns), key)
+        self.assertTrue(any(t.get("max_length_extra", 1) <= 0 for t in turns))
+        self.assertEqual({p["kind"] for t in turns for p in t["processors"]} - {"graph_safe_liar"}, set(PROCESSORS))
+        self.assertEqual({c["kind"] for t in turns for c in t["criteria"]}, set(CRITERIA))
+        self.assertEqual({c["threads"]["mode"] for c in cases if "threads" in c}, {"one_model", "two_models"})
+        self.assertTrue(any(c["do_sample"] for c in cases) and not all(c["do_sample"] for c in cases))
+        self.assertTrue(any(isinstance(t["eos"], list) and len(t["eos"]) > 1 for t in turns))
+        self.assertTrue({None, "config"} <= {t["eos"] if not isinstance(t["eos"], list) else 0 for t in turns})
+        batches = [[t["batch"] for t in c["turns"]] for c in cases]
+        self.assertTrue(any(len(set(b)) > 1 for b in batches), "no batch change between turns")
+
+    def test_draws_are_reproducible(self):
+        self.assertEqual(draw(12345, DEVICE), draw(12345, DEVICE))
+
+
+if __name__ == "__main__":
+    unittest.main()

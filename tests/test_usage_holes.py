@@ -1,0 +1,128 @@
+"""Regression tests for the holes the usage fuzzer found (and issue 16's items, as usage scenarios).
+
+Each test is one shrunk scenario of the fuzzer (usage_scenarios.py), run on unpatched stock transformers and with
+`async_stopping_criteria=True` (usage_runner.check), everything the caller observes compared bit for bit: outputs,
+the cache after each turn and its use in the next turn, streamer calls, what processors and criteria received and
+kept, the RNG draw after each call, exceptions. A scenario where stock raises must raise the same with the flag.
+The findings are written up in /work/fuzz-findings.md (F-numbers below); the issue-16 scenarios were checked to fail
+at commit 1cb7171 (before the fixes) on CPU.
+"""
+
+from __future__ import annotations
+
+import unittest
+
+import torch
+from parameterized import parameterized
+
+from usage_runner import check
+
+CUDA = torch.cuda.is_available()
+
+
+def turn(**kw):
+    base = {"batch": 2, "left_pad": False, "prompt_len": 6, "user_len": 3, "feed": "full", "cache_position": False,
+            "embeds": False, "max_new_tokens": 8, "eos": [15], "processors": [], "criteria": [], "streamer": False,
+            "return_dict": False}
+    base.update(kw)
+    return base
+
+
+def scenario(cache, turns, seed=1, family="llama", do_sample=False, **kw):
+    return dict(seed=seed, family=family, attn="sdpa", do_sample=do_sample, cache=cache, turns=turns, **kw)
+
+
+class UsageHoles(unittest.TestCase):
+    device = "cpu"
+
+    def assert_as_stock(self, sc, may_raise=False):
+        status, detail = check(sc, self.device)
+        self.assertNotEqual(status, "fail", detail)
+        if not may_raise:
+            self.assertEqual(status, "pass", f"stock itself raised: {detail}")
+
+    # --- issue 16, item 1: the undo in the cache's own positions (a chat fed only the new tokens) -----------------
+    def test_chat_turns_fed_only_new_tokens_on_a_user_static_cache(self):
+        # rows stop on EOS 15 in each turn; turn 2 reads the cache turn 1 left (stock: [47, 12, ...]; 1cb7171 zeroed
+        # slot 8 instead of the extra step's)
+        self.assert_as_stock(scenario("user_static", [turn(), turn(feed="new"), turn(feed="new")], room="roomy"))
+
+    def test_chat_turns_fed_only_new_tokens_on_a_user_dynamic_cache(self):
+        self.assert_as_stock(scenario("user_dynamic", [turn(), turn(feed="new"), turn(feed="new")]))
+
+    def test_inputs_embeds_then_ids_on_a_user_static_cache(self):
+        self.assert_as_stock(scenario("user_static", [turn(embeds=True), turn(), turn(feed="new")], room="roomy"))
+
+    def test_inputs_embeds_with_a_returned_static_cache(self):
+        self.assert_as_stock(scenario("returned_static", [turn(embeds=True, return_dict=True)]))
+
+    # --- issue 16, item 2: a cache sized exactly for the flag-off run (and one more, one less) -------------------------
+    @parameterized.expand([("exact", 0), ("one_more", 1), ("one_less", -1)])
+    def test_a_chat_turn_fed_new_tokens_on_a_cache_sized_around_the_stop(self, _, room):
+        # one less: stock overflows too (IndexError); the flag must raise the same
+        self.assert_as_stock(scenario("user_static", [turn(), turn(feed="new")], room=room), may_raise=room < 0)
+
+    @parameterized.expand([("exact", 0), ("one_more", 1)])
+    def test_inputs_embeds_on_a_cache_sized_around_the_stop(self, _, room):
+        self.assert_as_stock(scenario("user_static", [turn(embeds=True), turn(feed="new")], room=room))
+
+    # --- F1 (beyond the issue): one call with a returned static cache, stopped by EOS -----------------------------
+    def test_returned_static_cache_single_call(self):
+        # committed 4f4c9f8..d32bc43: AttributeError 'AsyncStop' object has no attribute 'kept_cache_length'
+        self.assert_as_stock(scenario("returned_static", [turn(batch=1, eos=[47], max_new_tokens=4,
+                                                               return_dict=True)], seed=22, family="qwen2"))
+
+    # --- issue 16, item 5: processors get what stock gives them ------------------------------------------------------
+    def test_a_processor_keeping_references_to_scores_on_the_static_loop(self):
+        self.assert_as_stock(scenario("config_static", [turn(eos=[17], processors=[{"kind": "keep_ref"}])], seed=0))
+
+    def test_a_processor_editing_input_ids_in_place_on_the_static_loop(self):
+        self.assert_as_stock(scenario("config_static", [turn(eos=[17], processors=[{"kind": "mutate_ids"}])], seed=0))
+
+    def test_a_processor_editing_scores_in_place_on_a_user_static_cache(self):
+        procs = [{"kind": "mutate_scores", "token": 5}, {"kind": "prev_scores"}]
+        self.assert_as_stock(scenario("user_static", [turn(processors=procs), turn(feed="new", processors=procs)],
+                                      room="roomy"))
+
+    # --- issue 16, item 6: a temperature annealed mid-call by a criterion --------------------------------------------
+    def test_a_temperature_annealed_by_a_criterion(self):
+        procs, crits = [{"kind": "user_temperature", "t": 0.8}], [{"kind": "anneal", "factor": 0.5}]
+        self.assert_as_stock(scenario("config_static", [turn(eos=None, processors=procs, criteria=crits)], seed=0,
+                                      do_sample=True))
+
+    # --- issue 16, item 7: a minimum length changed mid-call ---------------------------------------------------------
+    @parameterized.expand([("dynamic", "none"), ("static", "config_static"), ("user_static", "user_static")])
+    def test_a_min_new_tokens_processor_changed_mid_call(self, _, cache):
+        procs, crits = [{"kind": "user_min_new", "n": 2}], [{"kind": "min_new_change", "at": 1, "to": 10}]
+        self.assert_as_stock(scenario(cache, [turn(max_new_tokens=12, eos=[17], processors=procs, criteria=crits)],
+                                      seed=0, room="roomy"))
+
+
+@unittest.skipUnless(CUDA, "CUDA only")
+class UsageHolesCuda(UsageHoles):
+    """The same scenarios on the GPU (the static loop's captured tail), and issue 16's CUDA-only items."""
+
+    device = "cuda"
+
+    @parameterized.expand([("exact", 0), ("one_more", 1)])  # one less: stock's own overflow is a device assert
+    def test_a_chat_turn_fed_new_tokens_on_a_cache_sized_around_the_stop(self, _, room):
+        self.assert_as_stock(scenario("user_static", [turn(), turn(feed="new")], room=room))
+
+    # issue 16, item 3: a processor declared graph_safe() that reads the host makes the capture fail; the call must
+    # return stock's output and the next calls (sampling: the CUDA generator) must work
+    def test_a_failed_capture_leaves_the_process_usable(self):
+        procs = [{"kind": "graph_safe_liar"}]
+        self.assert_as_stock(scenario("config_static", [turn(eos=None, processors=procs), turn(eos=None)],
+                                      do_sample=True, seed=3))
+        self.assert_as_stock(scenario("config_static", [turn(eos=None)], do_sample=True, seed=4))
+
+    # issue 16, item 4: two threads generating at once on one model (and on two), static caches
+    @parameterized.expand([("one_model", "one_model"), ("two_models", "two_models")])
+    def test_two_threads_with_static_caches(self, _, mode):
+        other = scenario("config_static", [turn(eos=[21], max_new_tokens=12)], seed=5)
+        self.assert_as_stock(scenario("config_static", [turn(max_new_tokens=12), turn()], seed=6,
+                                      threads={"mode": mode, "other": other}))
+
+
+if __name__ == "__main__":
+    unittest.main()

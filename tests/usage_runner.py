@@ -1,0 +1,320 @@
+"""Runs one usage scenario (usage_scenarios.py) on stock transformers and with `async_stopping_criteria=True`, and
+compares everything the caller can observe, bit for bit.
+
+Observed after each turn (each generate() call): the output (sequences, scores, logits, the returned cache's whole
+state) or the exception (type and message), the user cache's whole state (`adversarial_helpers.cache_state`: keys,
+values, counters), every streamer put and end, what each processor and criterion received at each call (ids and
+scores, copied) and what it kept by reference, what nested generate() calls returned, the settings the callbacks
+changed, and one `torch.rand(4)` draw (the RNG state). The next turn is built from the run's own output and cache, so
+a cache left wrong by one turn shows in the next. A turn where stock raises (other than a callback's deliberate
+`Boom`) ends the scenario; the flag must raise the same there, and the scenario counts as "stock errs".
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+
+import torch
+from transformers import LogitsProcessorList, StoppingCriteriaList
+
+from adversarial_helpers import Boom, RecordingStreamer, cache_state, config_cache, judge_model, static_cache
+from models import PAD, build, stock
+from usage_callbacks import Context, Crit, make_processor, observed
+
+VOCAB = 48
+ROOMY = 100
+
+
+@functools.lru_cache(maxsize=None)
+def model_of(family, attn, model_seed, device, dtype="float32"):
+    model = build(family, seed=model_seed, device=device, attn=attn, dtype=getattr(torch, dtype))
+    model._usage_fresh = set(vars(model)) | {"_usage_fresh"}
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def judge_of(device):
+    return judge_model().to(device)
+
+
+class Result:
+    def __init__(self):
+        self.trace = []  # one dict per turn
+        self.used = []  # per user StaticCache created: the most positions any turn left written
+        self.stock_err = None  # (turn, type, message) of a non-Boom exception
+
+
+def _tokens(seed, shape, device):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, shape, generator=g).to(device)
+
+
+def _norm(x):
+    """Plain, comparable data: tensors copied to the host, caches flattened to their whole state."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", copy=True)
+    if hasattr(x, "layers") or type(x).__name__.endswith("Cache"):
+        return {k: _norm(v) for k, v in cache_state(x).items()}
+    if hasattr(x, "keys") and callable(x.keys) and hasattr(x, "__getitem__"):
+        return {k: _norm(x[k]) for k in x.keys()}
+    if isinstance(x, (list, tuple)):
+        return [_norm(v) for v in x]
+    return x
+
+
+def diff(a, b, path="") -> str | None:
+    """Where `a` and `b` differ (None: identical, NaNs compared as equal)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"{path}: {type(a).__name__} vs {type(b).__name__}"
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            return f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
+        if not bool(same.all()):
+            bad = (~same).nonzero()[:3].tolist()
+            return f"{path}: values differ at {bad} (of {tuple(a.shape)}); stock {a.flatten()[:8].tolist()}, " \
+                   f"flag {b.flatten()[:8].tolist()}"
+        return None
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"{path}: keys {sorted(map(str, set(a) ^ set(b)))} only on one side"
+        for k in a:
+            d = diff(a[k], b[k], f"{path}.{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):  # the first differing item before the lengths
+            d = diff(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None if len(a) == len(b) else f"{path}: length {len(a)} vs {len(b)}"
+    return None if a == b else f"{path}: stock {a!r} vs flag {b!r}"
+
+
+def _positions_used(cache) -> int:
+    keys = cache.layers[0].keys
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+        return 0
+    used = (keys != 0).any(-1).any(1).any(0).nonzero()
+    return int(used[-1]) + 1 if used.numel() else 0
+
+
+def _new_cache(sc, model, batch, result, rooms):
+    kind = sc["cache"]
+    if kind == "user_dynamic":
+        return config_cache(model)
+    if kind == "user_static":
+        i = len(result.used)
+        result.used.append(0)
+        room = sc.get("room", "roomy")
+        size = ROOMY if room == "roomy" or rooms is None else max(rooms[i] + room, 1)
+        return static_cache(model, size, batch_size=batch)
+    return None
+
+
+def _fresh(model):
+    """Drop what generate() left on the model (the static cache it keeps for cache_implementation="static",
+    `_cache`, `_previous_max_cache_length`, reused larger in later calls): both runs start from the fresh model."""
+    for name in set(vars(model)) - model._usage_fresh:
+        delattr(model, name)
+
+
+def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=0, reset=True) -> Result:
+    model = model_of(sc["family"], sc["attn"], model_seed, device, sc.get("dtype", "float32"))
+    judge = judge_of(device)  # built before the seed: building it reseeds the RNG
+    result = Result()
+    if reset:
+        _fresh(model)
+    torch.manual_seed(sc["seed"])
+    conv = mask = cache = None
+    cache_i = -1
+    for t, turn in enumerate(sc["turns"]):
+        batch = turn["batch"]
+        if conv is None or turn.get("restart") or batch != conv.shape[0]:
+            conv = _tokens(sc["seed"] * 101 + t, (batch, turn["prompt_len"]), device)
+            mask = torch.ones_like(conv)
+            if turn["left_pad"]:
+                for row in range(batch):
+                    pad = min(row % 3, turn["prompt_len"] - 1)
+                    conv[row, :pad], mask[row, :pad] = PAD, 0
+            if not (turn.get("stale_cache") and cache is not None):
+                cache = _new_cache(sc, model, batch, result, rooms)
+                cache_i = len(result.used) - 1
+        else:
+            user = _tokens(sc["seed"] * 101 + t, (batch, turn["user_len"]), device)
+            conv, mask = torch.cat([conv, user], 1), torch.cat([mask, torch.ones_like(user)], 1)
+        past = int(cache.get_seq_length()) if cache is not None else 0
+        ids = conv[:, past:] if turn["feed"] == "new" and cache is not None else conv
+        kwargs = {"do_sample": sc["do_sample"]}
+        if not turn.get("mask_omitted"):
+            kwargs["attention_mask"] = mask
+        for key, value in turn.get("config_procs", {}).items():
+            kwargs[key] = ({tuple(k): b for k, b in value} if key == "sequence_bias"
+                           else tuple(value) if key == "exponential_decay_length_penalty" else value)
+        kwargs.update({k: sc[k] for k in ("top_k", "top_p", "temperature") if k in sc})
+        eos = turn["eos"]
+        if eos != "config":
+            kwargs["eos_token_id"] = eos
+        kwargs["pad_token_id"] = None if turn.get("pad_omitted") else PAD
+        if "max_new_tokens" in turn:
+            kwargs["max_new_tokens"] = turn["max_new_tokens"]
+        else:
+            kwargs["max_length"] = ids.shape[1] + turn["max_length_extra"]
+        for key in ("min_new_tokens", "use_cache", "num_return_sequences", "output_scores", "output_logits",
+                    "output_hidden_states", "output_attentions", "prefill_chunk_size"):
+            if key in turn:
+                kwargs[key] = turn[key]
+        kwargs["return_dict_in_generate"] = turn["return_dict"]
+        if cache is not None:
+            kwargs["past_key_values"] = cache
+        elif sc["cache"] in ("returned_static", "config_static"):
+            kwargs["cache_implementation"] = "static"
+        if device != "cpu" and "static" in sc["cache"] and not sc.get("compile"):
+            kwargs["disable_compile"] = True
+        if turn["cache_position"]:
+            kwargs["cache_position"] = torch.arange(past, conv.shape[1], device=device)
+        ctx = Context(model, judge)
+        eos_list = None if eos is None else [2] if eos == "config" else eos
+        procs = [make_processor(s, ctx, eos_list, ids.shape[1]) for s in turn["processors"]]
+        ctx.processors = procs
+        crits = [Crit(s, ctx) for s in turn["criteria"]]
+        if procs:
+            kwargs["logits_processor"] = LogitsProcessorList(procs)
+        if crits:
+            kwargs["stopping_criteria"] = StoppingCriteriaList(crits)
+        streamer = RecordingStreamer() if turn["streamer"] else None
+        if streamer is not None:
+            kwargs["streamer"] = streamer
+        via = sc.get("flag_via", "kwarg")
+        if via == "generation_config":  # both runs pass a copy of the model's config; the flag run sets the flag on it
+            kwargs["generation_config"] = copy.deepcopy(model.generation_config)
+            if flag:
+                kwargs["generation_config"].async_stopping_criteria = True
+        elif flag and via == "kwarg":
+            kwargs["async_stopping_criteria"] = True
+        if turn["embeds"]:
+            with torch.no_grad():
+                kwargs["inputs_embeds"] = model.get_input_embeddings()(ids)
+        out, err = _call(model, None if turn["embeds"] else ids, kwargs, turn.get("in_thread"),
+                         flag and via == "model_config")
+        if err is not None:
+            exc, err = err, (type(err).__name__, str(err))
+            if not isinstance(exc, Boom) and result.stock_err is None:
+                result.stock_err = (t,) + err
+        entry = {"turn": t, "error": err, "output": _norm(out), "callbacks": _norm(observed(procs + crits, ctx)),
+                 "streamer": None if streamer is None else (streamer.puts, streamer.ends)}
+        if rng_draws:
+            entry["rand"] = torch.rand(4, device=device).cpu()
+        if cache is not None:
+            entry["cache"] = _norm(cache)
+            if sc["cache"] == "user_static" and cache_i >= 0:
+                result.used[cache_i] = max(result.used[cache_i], _positions_used(cache))
+        result.trace.append(entry)
+        if err is not None and result.stock_err is not None:
+            break
+        if out is not None:
+            seqs = out if isinstance(out, torch.Tensor) else out.sequences
+            if sc["cache"].startswith("returned"):
+                cache = getattr(out, "past_key_values", None)
+            if seqs.shape[0] != conv.shape[0]:
+                conv = cache = None  # num_return_sequences: the next turn starts a new conversation
+                continue
+            gen = seqs if turn["embeds"] else seqs[:, ids.shape[1]:]
+            keep = torch.ones_like(gen)
+            if eos_list:  # the pads after a row's EOS are not part of the conversation
+                hit = torch.isin(gen, torch.tensor(eos_list, device=gen.device)).long()
+                keep = ((hit.cumsum(1) - hit) == 0).long()
+            conv, mask = torch.cat([conv, gen], 1), torch.cat([mask, keep.to(mask.dtype)], 1)
+    return result
+
+
+def _call(model, ids, kwargs, in_thread, flag_on_model):
+    """generate() (in a worker thread if asked): (output, None) or (None, the exception)."""
+    box = [None, None]
+
+    def call():
+        try:
+            box[0] = model.generate(ids, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - an exception is an observable: type and message
+            box[1] = exc
+
+    config = model.generation_config
+    old = config.__dict__.get("async_stopping_criteria", box)
+    if flag_on_model:
+        config.async_stopping_criteria = True
+    try:
+        if in_thread:
+            worker = threading.Thread(target=call)
+            worker.start()
+            worker.join()
+        else:
+            call()
+    finally:
+        if flag_on_model and old is box:
+            del config.async_stopping_criteria
+        elif flag_on_model:
+            config.async_stopping_criteria = old
+    return box[0], box[1]
+
+
+def _rooms(sc, device, model_seed=0):
+    if sc["cache"] != "user_static" or sc.get("room", "roomy") == "roomy":
+        return None
+    with stock():
+        return run_scenario(sc, False, device, None, model_seed=model_seed).used
+
+
+def check(sc, device="cpu"):
+    """('pass' | 'fail' | 'stock_err', detail) for one scenario."""
+    if "threads" in sc:
+        return check_threads(sc, device)
+    rooms = _rooms(sc, device)
+    with stock():
+        ref = run_scenario(sc, False, device, rooms)
+    on = run_scenario(sc, True, device, rooms)
+    d = diff(ref.trace, on.trace, "turns")
+    if d:
+        return "fail", d
+    if ref.stock_err is not None:
+        return "stock_err", f"turn {ref.stock_err[0]}: {ref.stock_err[1]}: {ref.stock_err[2][:200]}"
+    return "pass", ""
+
+
+def check_threads(sc, device="cpu"):
+    """Two scenarios at once in two threads, flag on, each equal to its own sequential stock run."""
+    a = {k: v for k, v in sc.items() if k != "threads"}
+    b = sc["threads"]["other"]
+    seed_b = 1 if sc["threads"]["mode"] == "two_models" else 0
+    rooms = (_rooms(a, device), _rooms(b, device, seed_b))
+    with stock():
+        refs = [run_scenario(a, False, device, rooms[0], rng_draws=False),
+                run_scenario(b, False, device, rooms[1], rng_draws=False, model_seed=seed_b)]
+    ons, errors = [None, None], [None, None]
+    for s, model_seed in ((a, 0), (b, seed_b)):
+        _fresh(model_of(s["family"], s["attn"], model_seed, device, s.get("dtype", "float32")))
+    barrier = threading.Barrier(2)
+
+    def job(i, s, model_seed):
+        try:
+            barrier.wait()
+            ons[i] = run_scenario(s, True, device, rooms[i], rng_draws=False, model_seed=model_seed, reset=False)
+        except Exception as exc:  # noqa: BLE001
+            errors[i] = f"{type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=job, args=(0, a, 0)), threading.Thread(target=job, args=(1, b, seed_b))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for i in (0, 1):
+        if errors[i]:
+            return "fail", f"thread {i} raised outside generate(): {errors[i]}"
+        d = diff(refs[i].trace, ons[i].trace, f"thread{i}.turns")
+        if d:
+            return "fail", d
+    if refs[0].stock_err or refs[1].stock_err:
+        return "stock_err", str(refs[0].stock_err or refs[1].stock_err)[:200]
+    return "pass", ""
