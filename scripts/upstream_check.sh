@@ -68,8 +68,11 @@ assert hasattr(GenerationConfig(), 'async_stopping_criteria'), 'the series is no
 print('patched transformers', transformers.__version__, 'from', transformers.__file__)"
 
 # Steps 3 and 4 share the two cores: the unpatched equality run goes in the background while the series' tests run.
+# One thread per process, in both equality runs: a different thread count changes float reductions, and the
+# comparison is bit for bit.
+export OMP_NUM_THREADS=1
 step "3. the series' own tests, on the patched transformers (and, alongside, the equality cases on unpatched $VERSION)"
-OMP_NUM_THREADS=1 "$PYTHON_BIN" tests/upstream_equality.py run "$WORK/stock.pt" > "$WORK/stock.log" 2>&1 &
+"$PYTHON_BIN" tests/upstream_equality.py run "$WORK/stock.pt" > "$WORK/stock.log" 2>&1 &
 stock_run=$!
 (cd "$SRC" && PYTHONPATH=$PATCHED "$PYTHON_BIN" -m pytest -q -p no:cacheprovider \
   tests/generation/test_async_stopping_criteria.py) || { kill "$stock_run" 2> /dev/null; exit 1; }

@@ -38,12 +38,16 @@ done
 git --git-dir="$MIRROR" archive "$TAG" "${paths[@]}" | tar --no-same-owner -x -C "$TESTS"
 for file in $FILES; do [[ -f $TESTS/$file ]] || { echo "$file is not in $TAG"; exit 1; }; done
 
-step "the tests' virtualenv (torch 2.13.0, transformers 5.23.0 and its testing extras)"
-wanted="$("$PY" -c 'import sys; print(sys.version)') torch==2.13.0 transformers[testing]==5.23.0 pytest-xdist"
+# transformers' `testing` extra pins a package the index here does not have (transformers-mic): its pytest plugins
+# and test helpers are listed instead
+DEPS="torch==2.13.0 transformers==5.23.0 accelerate pytest pytest-xdist pytest-timeout pytest-rerunfailures pytest-order
+pytest-asyncio pytest-env parameterized timeout-decorator"
+step "the tests' virtualenv ($(echo $DEPS))"
+wanted="$("$PY" -c 'import sys; print(sys.version)') $(echo $DEPS)"
 if [[ ! -x $VENV/bin/python || "$(cat "$VENV/.installed" 2> /dev/null)" != "$wanted" ]]; then
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --no-compile torch==2.13.0 "transformers[testing]==5.23.0" pytest-xdist
+  "$VENV/bin/python" -m pip install -q --no-compile $DEPS
   echo "$wanted" > "$VENV/.installed"
 fi
 
