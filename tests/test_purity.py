@@ -16,6 +16,7 @@ import math
 import random
 import time
 import unittest
+from unittest import mock
 
 import torch
 from parameterized import parameterized
@@ -23,7 +24,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.logits_process import TopKLogitsWarper
 
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.static_loop import purity
+from transformers_async_stop.static_loop import eligibility
 from transformers_async_stop.static_loop.purity import guard_for
 
 CUDA = torch.cuda.is_available()
@@ -333,7 +334,8 @@ PURE = {
     "class_constant_and_method": ClassConstant, "batch_size_and_nested_code": BatchAware,
     "constant_tensor": ConstantTensor, "noise_default_generator": Noise, "dtype_round_trip": Half,
     "wraps_a_builtin": WrapsTopK, "nn_module": lambda: Learned(VOCAB), "global_helper": UsesHelper,
-    "reads_another_object": ReadsConfig, "namedtuple_settings": NamedTupleSettings, "partial": lambda: functools.partial(scaled, factor=0.5),
+    "reads_another_object": ReadsConfig, "namedtuple_settings": NamedTupleSettings,
+    "partial": lambda: functools.partial(scaled, factor=0.5),
     "function": lambda: scaled, "closure": lambda: closure_processor(0.25), "lambda": lambda: (lambda i, s: s * 3),
 }
 IMPURE = {
@@ -530,8 +532,8 @@ class Unchanged(unittest.TestCase):
 class ObserveInsideStockGenerate(unittest.TestCase):
     """The first call observed inside a real (stock) generate(): the output is exactly stock's."""
 
-    @parameterized.expand([("extra_softmax", ExtraSoftmax), ("counter", Counter), ("reads_ids_last",
-                                                                                     functools.partial(_reads_ids, "last"))])
+    @parameterized.expand([("extra_softmax", ExtraSoftmax), ("counter", Counter),
+                           ("reads_ids_last", functools.partial(_reads_ids, "last"))])
     def test_observe_changes_nothing(self, _, make):
         model = build("llama")
         ids, mask = prompt(batch=2)
@@ -633,6 +635,27 @@ class _SetsConfigAfter(StoppingCriteria):
 
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+# whether the static loop consults `purity` (the tail/eligibility owner's hook); until then nothing undeclared is
+# captured, and only "impure ones are never captured" is checked
+_INTEGRATED = "purity" in open(eligibility.__file__).read()
+
+
+class _CountCaptures:
+    """Counts CUDA graph captures made inside the block (the tail's)."""
+
+    def __enter__(self):
+        self.count = 0
+        real = torch.cuda.CUDAGraph.capture_end
+
+        def capture_end(graph, *args, **kwargs):
+            self.count += 1
+            return real(graph, *args, **kwargs)
+        self._patch = mock.patch.object(torch.cuda.CUDAGraph, "capture_end", capture_end)
+        self._patch.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.stop()
 
 
 @unittest.skipUnless(TRANSFORMERS_VERSION >= (5, 17), "the static-cache loop is taken on transformers 5.17+")
@@ -666,8 +689,13 @@ class StaticGenerateEqualsStock(unittest.TestCase):
         with stock():
             ref = _static_generate(model, ids, mask, processor(), False, sampling)
         _reset()
-        on = _static_generate(model, ids, mask, processor(), True, sampling)
+        with _CountCaptures() as captures:
+            on = _static_generate(model, ids, mask, processor(), True, sampling)
         assert_same(self, ref, on)
+        if device == "cuda" and name in IMPURE:
+            self.assertEqual(captures.count, 0, "an impure processor was captured")
+        if device == "cuda" and name in PURE and _INTEGRATED:
+            self.assertGreater(captures.count, 0, "a proven-pure processor was not captured")
 
     @parameterized.expand(DEVICES)
     def test_a_value_changed_mid_generation_is_seen_as_in_stock(self, device):
@@ -684,17 +712,24 @@ class StaticGenerateEqualsStock(unittest.TestCase):
         assert_same(self, *runs)
 
 
-def _cost_report():  # pragma: no cover - measurement, run by hand: python tests/test_purity.py
+def _cost_report(device="cpu"):  # measurement, by hand: python tests/test_purity.py [cuda]
     import timeit
-    ids, scores = _inputs()
+    ids, scores = _inputs(device)
     for name, make in sorted(PURE.items()):
-        processor = make()
-        once = min(timeit.repeat(lambda: guard_for(processor).observe(ids, scores), number=5, repeat=3)) / 5
-        guard = _observed(processor)
-        per = min(timeit.repeat(guard.unchanged, number=2000, repeat=5)) / 2000
-        print(f"{name:28s} guard_for+observe {once * 1e3:7.2f} ms   unchanged() {per * 1e6:6.2f} us   "
-              f"nodes {len(guard._snapshot.nodes)}")
+        processor = make().to(device) if isinstance(make(), torch.nn.Module) else make()
+        _observed(processor, device)  # warm: first-time imports and dispatch tables
+
+        def prove():
+            guard_for(processor).observe(ids, scores)
+        once = min(timeit.repeat(prove, number=5, repeat=5)) / 5
+        plain = min(timeit.repeat(lambda: processor(ids, scores), number=200, repeat=5)) / 200
+        guard = _observed(processor, device)
+        assert guard.unchanged()
+        per = min(timeit.repeat(guard.unchanged, number=2000, repeat=7)) / 2000
+        print(f"{name:28s} guard_for+observe {once * 1e3:6.2f} ms (plain call {plain * 1e6:6.1f} us)   "
+              f"unchanged() {per * 1e6:5.2f} us ({len(guard._snapshot.nodes)} nodes)")
 
 
 if __name__ == "__main__":
-    _cost_report()
+    import sys
+    _cost_report(*sys.argv[1:2])

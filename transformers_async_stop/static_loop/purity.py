@@ -62,7 +62,8 @@ from torch.utils._pytree import tree_leaves
 _LIMIT = 5000  # objects in one snapshot: more is too much to check at every step
 _CPU_VALUES = 4096  # elements of a CPU tensor in the state, compared by value at every check
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_STDLIB = tuple({p + os.sep for p in (sysconfig.get_paths()["stdlib"], os.path.realpath(sysconfig.get_paths()["stdlib"]))})
+_STDLIB = tuple({p + os.sep for p in (sysconfig.get_paths()["stdlib"],
+                                      os.path.realpath(sysconfig.get_paths()["stdlib"]))})
 _TRUSTED = ("torch", "builtins", "math", "operator", "functools", "collections", "abc", "typing", "enum", "types")
 # torch's Python that user code may call: tensor ops and the Module call machinery (their ops are checked)
 _TORCH_ENTRIES = ("torch.nn.functional", "torch.functional", "torch._tensor", "torch.nn.modules", "torch._jit_internal",
