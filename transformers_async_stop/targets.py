@@ -375,6 +375,43 @@ SHORTCUTS: tuple[Shortcut, ...] = (
             "the next token, position and mask are made from the previous step's",
         present="5.17+",
     ),
+    # --- processors the static-cache loop captures beyond "static decode loop" (static_loop/processors.py) ---
+    Shortcut(
+        "static loop repetition penalty", (f"{_LP}:RepetitionPenaltyLogitsProcessor.__call__",),
+        # the three sources are three variants of `processors.RepetitionPenalty` (`_REPETITION`)
+        {f"{_LP}:RepetitionPenaltyLogitsProcessor.__call__": {
+            "35dcc5fc15b0": "4.57.6-5.17.0", "4f13000c1f61": "5.18.0-5.22.2", "0bf3c6d07642": "5.23.0"}},
+        "static_loop.processors.RepetitionPenalty",
+        why="a gather and a scatter over the whole growing sequence every step, which no CUDA graph can replay: a "
+            "device 'tokens seen' state updated by the tail",
+        present="5.17+",
+    ),
+    Shortcut(
+        "static loop encoder repetition penalty", (f"{_LP}:EncoderRepetitionPenaltyLogitsProcessor.__call__",),
+        {f"{_LP}:EncoderRepetitionPenaltyLogitsProcessor.__call__": {
+            "689734137f7d": "5.17.0-5.18.0", "89292f2761ee": "5.19.0-5.22.2", "4fb22b9fe793": "5.23.0"}},
+        "static_loop.eligibility._builtin_graph_safe",
+        why="reads only its own ids and penalty: captured as it is, under a guard",
+        present="5.17+",
+    ),
+    Shortcut(
+        "static loop no repeat ngram", (f"{_LP}:NoRepeatNGramLogitsProcessor.__call__",),
+        # two variants of `processors.NoRepeatNGram` (`_NGRAM`): 5.18+ clamp ids past the vocabulary
+        {f"{_LP}:NoRepeatNGramLogitsProcessor.__call__": {
+            "9bfab15ed81f": "5.17.0", "9a61f49a39f4": "5.18.0-5.22.2", "dd416ba08a20": "5.23.0"}},
+        "static_loop.processors.NoRepeatNGram",
+        why="windows over the whole growing sequence every step: the same windows over the sequence buffer, "
+            "counted up to the device-side length",
+        present="5.17+",
+    ),
+    Shortcut(
+        "static loop sequence bias", (f"{_LP}:SequenceBiasLogitsProcessor.__call__",),
+        # 5.17-5.22 build tensors from host lists at every step (`torch.tensor(sequence_ids)`): not capturable
+        {f"{_LP}:SequenceBiasLogitsProcessor.__call__": {"661c3b65b180": "5.23.0"}},
+        "static_loop.processors.LastTokens",
+        why="reads the last tokens of a growing sequence: a window of the sequence buffer at the device length",
+        present="5.23+",
+    ),
     # --- assisted decoding and prompt lookup (assisted/) -----------------------------------------------------
     *_ASSISTED_LOOPS,
     Shortcut(

@@ -8,8 +8,12 @@ parallelism), and an installed transformers whose sources are the ones
 this loop was read against (`targets.SHORTCUTS`: "static decode loop"). Every other call runs the deferred path of
 `generation.py`.
 
-The tail is captured into CUDA graphs only when every logits processor is graph-safe: a built-in one known to be
-(temperature, top-k, top-p, min-p, the two minimum-length ones), or one the user declared with `graph_safe()`.
+The tail is captured into CUDA graphs only when every logits processor is capturable: a built-in one known to be
+(temperature, top-k, top-p, min-p, the two minimum-length ones, encoder repetition penalty), a built-in that reads the
+sequence in its device form (`processors.py`: repetition penalty, sequence bias and bad words), one the user declared
+with `graph_safe()`, or one `purity.guard_for` gives a guard for (the hook below). Every captured processor but a
+declared one has a guard, checked before each capture and replay: a built-in's is a snapshot of its attributes
+(`processors.AttrGuard`), taken at the first capture.
 Stopping criteria are never captured: an exact `EosTokenCriteria` is evaluated inside the tail on the new token, an
 exact `MaxLengthCriteria` is decided on the host (as on the deferred path), and every other criterion runs eagerly,
 after the tail, on the real sequence.
@@ -18,12 +22,14 @@ after the tail, on the real sequence.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 
 import torch
 
 from ..step_lists import _EosMask, _plan_criterion, _plan_processor
 from ..verified import matches
+from . import processors as forms
 
 STATIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_STATIC_LOOP"
 CAPTURE_ENV = "TRANSFORMERS_ASYNC_STOP_CAPTURE"
@@ -49,15 +55,65 @@ def _off(env: str) -> bool:
 def _builtin_graph_safe() -> tuple:
     from transformers.generation import logits_process as lp
 
-    return (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper)
+    kinds = (lp.TemperatureLogitsWarper, lp.TopKLogitsWarper, lp.TopPLogitsWarper, lp.MinPLogitsWarper)
+    if matches("static loop encoder repetition penalty"):
+        kinds += (lp.EncoderRepetitionPenaltyLogitsProcessor,)  # reads only its own ids and penalty
+    return kinds
 
 
 def _is_graph_safe(processor) -> bool:
-    if isinstance(processor, _EosMask):
-        return True
-    if type(processor) in _builtin_graph_safe():
-        return True
-    return getattr(processor, _GRAPH_SAFE, False) is True
+    return _guard_maker(processor) is not None
+
+
+def _guard_maker(processor):
+    """How a capturable processor's guard is made (a callable returning an object with `unchanged() -> bool`, or
+    returning None where it cannot be guarded after all), `_DECLARED` for a `graph_safe()` one (its promise needs no
+    guard), or None: not capturable. Decided once per call."""
+    if isinstance(processor, (_EosMask, forms._Form)) or type(processor) in _builtin_graph_safe():
+        return forms.guard_for_builtin(processor)
+    if getattr(processor, _GRAPH_SAFE, False) is True:
+        return _DECLARED
+    guard = _purity_guard(processor)
+    return None if guard is None else _PurityMaker(guard)
+
+
+_DECLARED = object()  # a `graph_safe()` processor: captured, unguarded
+
+
+class _PurityMaker:
+    """The guard maker of a processor `purity` judges: the guard itself, once its observed call proved the processor
+    pure (`capturable`; a guard without that attribute is taken at its word), else None (no capture)."""
+
+    __slots__ = ("purity",)
+
+    def __init__(self, guard):
+        self.purity = guard
+
+    def __call__(self):
+        return self.purity if getattr(self.purity, "capturable", True) is True else None
+
+
+def _purity_guard(processor):
+    """The hook of `purity.py` (issue 17 item 1, capture of undeclared user processors).
+
+    `purity.guard_for(processor)` returns a guard, or None where the processor is not capturable. It is called once
+    per call, here, at planning. If the guard has `observe(input_ids, scores)`, the tail calls that instead of the
+    processor at the call's first step (`Tail._observe`; until then the processor gets stock's fresh tensors), and
+    captures only if `guard.capturable` is then True. Its `unchanged() -> bool` is checked before every capture and
+    replay; one False sends the rest of the call eager. Imported lazily and defensively: where the module is absent or
+    fails, no user processor is captured without a declaration."""
+    try:
+        purity = importlib.import_module(f"{__package__}.purity")
+    except Exception:  # noqa: BLE001 - absent or broken: capture nothing undeclared
+        return None
+    guard_for = getattr(purity, "guard_for", None)
+    if guard_for is None:
+        return None
+    try:
+        guard = guard_for(processor)
+    except Exception:  # noqa: BLE001 - an analysis that fails proves nothing
+        return None
+    return guard if guard is not None and callable(getattr(guard, "unchanged", None)) else None
 
 
 @dataclasses.dataclass
@@ -66,6 +122,10 @@ class LoopPlan:
 
     processors: list  # callables (input_ids, scores) -> scores, in order
     phased: list  # the `_EosMask`s among them: their one host decision depends on the length
+    forms: list  # the device forms among them (`processors.py`): bound to the tail's sequence buffer
+    pure: bool  # every processor is capturable: one logits buffer and a view of the sequence serve every step
+    guards: list  # per capturable processor but a declared one: a maker of its guard (`_guard_maker`)
+    observed: list  # (index, guard) of the processors `purity` judges on their first call (`Tail._observe`)
     capture: bool  # replay the tail from CUDA graphs
     eos: list  # exact `EosTokenCriteria`: evaluated inside the tail on the new token
     criteria: list  # every other criterion, planned `(criterion, kind)`: folded after the tail (`fold_criteria`)
@@ -76,7 +136,10 @@ class LoopPlan:
 
     def phase(self, length: int) -> tuple:
         """The host decisions of the processors at this sequence length (one CUDA graph per distinct value)."""
-        return tuple(length - m.offset < m.minimum for m in self.phased)
+        decisions = tuple(length - m.offset < m.minimum for m in self.phased)
+        for form in self.forms:
+            decisions += form.phase(length)
+        return decisions
 
 
 def plan_loop(model, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs):
@@ -112,18 +175,24 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
         planned, extra = _plan_processor(processor)
         if extra:
             return None  # stock raises for a processor that needs keyword arguments: the deferred path does too
-        processors.append(planned)
+        processors.append(forms.device_form(planned) or planned)
+    makers = [_guard_maker(p) for p in processors]
+    pure = all(make is not None for make in makers)
+    observed = [(index, make.purity) for index, make in enumerate(makers)
+                if callable(getattr(getattr(make, "purity", None), "observe", None))]
     eos, criteria = [], []
     for criterion in stopping_criteria:
         if _exact_eos(criterion):
             eos.append(criterion)
         else:
             criteria.append((criterion, _plan_criterion(criterion)))
-    capture = (torch.cuda.is_available() and _on_cuda(model) and not _off(CAPTURE_ENV)
-               and all(_is_graph_safe(p) for p in processors))
+    capture = torch.cuda.is_available() and _on_cuda(model) and not _off(CAPTURE_ENV) and pure
     rdig = generation_config.return_dict_in_generate
     return LoopPlan(
-        processors=processors, phased=[p for p in processors if isinstance(p, _EosMask)], capture=capture, eos=eos,
+        processors=processors, phased=[p for p in processors if isinstance(p, _EosMask)],
+        forms=[p for p in processors if isinstance(p, forms._Form)], pure=pure,
+        guards=[make for make in makers if make is not None and make is not _DECLARED], observed=observed,
+        capture=capture, eos=eos,
         criteria=criteria, do_sample=bool(generation_config.do_sample),
         has_eos=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
         scores=bool(rdig and generation_config.output_scores), logits=bool(rdig and generation_config.output_logits),

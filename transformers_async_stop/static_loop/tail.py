@@ -2,15 +2,23 @@
 
 Copied from transformers v5.17.0-v5.23.0 `GenerationMixin._sample` (the part of the loop body between the logits
 copy and `stop_check`) and `EosTokenCriteria.__call__`. Differences, same values:
-- the logits land in one fixed fp32 buffer (stock: `.to(copy=True, dtype=float32)`, a new tensor each step);
-- the new token is written into a preallocated sequence at a device-side length (stock: `torch.cat`);
+- where every processor is capturable (`LoopPlan.pure`), the logits land in one fixed fp32 buffer and processors see a
+  view of the sequence buffer (stock: a new tensor each step). Where one is not, each step gets a fresh logits tensor
+  and a fresh contiguous copy of the sequence, as in stock; an in-place edit of that copy by a processor (or by a
+  criterion, through `sequence`/`settle`) is written back into the sequence buffer, since in stock it *is* the
+  sequence the next step appends to;
+- the new token is written into a preallocated sequence at a device-side length (stock: `torch.cat`); processors
+  that read the sequence run in a form that reads this buffer or keeps a device state (`processors.py`);
 - an exact `EosTokenCriteria` compares the new token with the EOS ids (stock: `isin` on `input_ids[:, -1]`, the
   same token), updating `unfinished_sequences` in place;
 - the next step's inputs are advanced in place (`inputs.StepInputs`).
 
 On CUDA, when every processor is graph-safe (`eligibility.py`), the body runs eagerly the first time a phase is seen
 (a phase: the host decisions that can change with the length, such as the minimum-length processors'), is captured
-into a CUDA graph the second time and replayed from then on. Sampling draws from the device's default generator,
+into a CUDA graph the second time and replayed from then on. A captured graph bakes in the processors' Python
+settings: before every capture and replay each captured processor's guard (`processors.AttrGuard`, or the one
+`purity.guard_for` gave) is checked, and if one reports a change the rest of the call runs eagerly, calling the
+processors as stock does. Sampling draws from the device's default generator,
 which CUDA graphs advance exactly as the eager ops do. The graphs, their memory pool and the buffers belong to one
 call: nothing outlives it.
 """
@@ -62,9 +70,24 @@ class Tail:
         self.outputs: dict = {}  # per phase: the graph's processed-scores tensor (rewritten by each replay)
         self.seen: set = set()
         self.pool = None
+        self.processors = plan.processors  # stock's own processors instead, once a guard failed (`_go_eager`)
+        self.forms = plan.forms
+        for form in self.forms:
+            form.bind(self)
+        self.started = False
+        self.guards = None  # made at the first capture (`_guards_hold`)
+        # a new logits tensor and sequence copy per step, as stock hands them out, while a processor may keep or edit
+        # them: one not capturable, or one `purity` has yet to observe
+        self.fresh = not plan.pure or bool(plan.observed)
+        self.pending = plan.observed  # (index, purity guard): observed on their real call at the first step
+        self.held = None  # (tensor, length, version): the sequence as user code last got it (`sequence`)
 
     def load(self, logits: torch.Tensor) -> torch.Tensor:
-        """The step's last-position logits into the fixed fp32 buffer (eager: the forward's output moves)."""
+        """The step's last-position logits into the fixed fp32 buffer (eager: the forward's output moves), or, where a
+        processor is not capturable, into a new tensor as stock makes it (a processor may keep or edit it)."""
+        if self.fresh:
+            self.logits = logits[:, -1].to(copy=True, dtype=torch.float32, device=self.seq.device)
+            return self.logits
         last = logits[:, -1]
         if self.logits is None:
             self.logits = torch.empty(last.shape, dtype=torch.float32, device=self.seq.device)
@@ -74,23 +97,106 @@ class Tail:
     def run(self, length: int, advance: bool) -> torch.Tensor:
         """One step's processors, token, EOS check, sequence write and (`advance`) next inputs; the processed scores.
         `length`: the sequence length before this step's token (what stock's processors see)."""
+        if not self.started:
+            self._start(length)
         key = (self.plan.phase(length), advance)
-        graph = self.graphs.get(key)
-        if graph is not None:
-            graph.replay()
-            return self.outputs[key]
-        if self.capture and key in self.seen:
-            scores = self._capture(key, length, advance)
-            if scores is not None:
-                return scores
+        if self.capture:
+            graph = self.graphs.get(key)
+            if graph is not None or key in self.seen:
+                if not self._guards_hold():
+                    self._go_eager()
+                elif graph is not None:
+                    graph.replay()
+                    return self.outputs[key]
+                else:
+                    scores = self._capture(key, length, advance)
+                    if scores is not None:
+                        return scores
         self.seen.add(key)
-        return self._body(prefix(self.seq, length), advance)
+        if self.pending:
+            return self._observe(length, advance)
+        if self.fresh:  # user code may keep, read or edit the sequence: hand out stock's kind of tensor
+            return self._body(self.sequence(length), advance, watch=True)
+        return self._body(self.seq[:, :length], advance)
 
-    def _body(self, input_ids: torch.Tensor, advance: bool) -> torch.Tensor:
+    def _observe(self, length: int, advance: bool) -> torch.Tensor:
+        """The call's first step, where each processor `purity` is to judge runs through `guard.observe` (its real
+        call: same arguments, result and side effects). Proven pure, the rest of the call uses the fixed buffers and
+        may capture; otherwise it stays as stock hands tensors out, and eager."""
+        pending, self.pending = self.pending, ()
+        processors = list(self.plan.processors)
+        for index, guard in pending:
+            processors[index] = guard.observe
+        self.processors = processors
+        try:
+            scores = self._body(self.sequence(length), advance, watch=True)
+        finally:
+            self.processors = self.plan.processors
+        if not all(guard.capturable is True for _, guard in pending):
+            self.capture = False
+        elif self.plan.pure:
+            self.fresh = False
+            self.logits = None  # the next step's logits go to a new fixed buffer, not the tensor this step handed out
+        return scores
+
+    def _start(self, length: int) -> None:
+        self.started = True
+        pad = self.pad if self.plan.has_eos else None
+        for form in self.forms:
+            form.start(self.seq, length, self.logits.shape[-1], pad)
+
+    def _guards_hold(self) -> bool:
+        """Whether the captured processors' settings are still the ones the graphs baked in (made at the first
+        capture: from then on a change sends the call eager)."""
+        if self.guards is None:
+            if not all(form.capturable for form in self.forms):
+                return False
+            self.guards = [make() for make in self.plan.guards]
+            return all(guard is not None for guard in self.guards)
+        for guard in self.guards:
+            if not guard.unchanged():
+                return False
+        return True
+
+    def _go_eager(self) -> None:
+        """A captured processor changed mid-call: no replay from now on; the rest of the call calls the processors
+        (the minimum-length ones as stock's own, which read their settings each step)."""
+        from ..step_lists import _EosMask
+
+        self.capture = False
+        self.processors = [p.processor if isinstance(p, _EosMask) else p for p in self.plan.processors]
+
+    def sequence(self, length: int) -> torch.Tensor:
+        """The sequence of `length` tokens as stock hands it to user code: a fresh contiguous tensor, the same one for
+        a step's criteria and the next step's processors (stock's `input_ids` between two `torch.cat`s)."""
+        held = self.held
+        if held is not None and held[1] == length:
+            return held[0]
+        ids = self.seq[:, :length].clone(memory_format=torch.contiguous_format)
+        self.held = (ids, length, ids._version)
+        return ids
+
+    def settle(self) -> None:
+        """After user code ran on `sequence()`: an in-place edit of it lands in the sequence buffer, the device states
+        made from it and the next forward's input token, as it does in stock (where it is the sequence)."""
+        held = self.held
+        if held is None or held[0]._version == held[2]:
+            return
+        ids, length, _ = held
+        self.held = (ids, length, ids._version)
+        self.seq[:, :length].copy_(ids)
+        for form in self.forms:
+            form.rebuild(length)
+        if self.inputs is not None:
+            self.inputs.ids.copy_(self.seq[:, length - 1:length])
+
+    def _body(self, input_ids: torch.Tensor, advance: bool, watch: bool = False) -> torch.Tensor:
         plan = self.plan
         scores = self.logits
-        for processor in plan.processors:
+        for processor in self.processors:
             scores = processor(input_ids, scores)
+            if watch:
+                self.settle()
         if plan.do_sample:
             probs = torch.nn.functional.softmax(scores, dim=-1)
             next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -100,6 +206,8 @@ class Tail:
             next_tokens = next_tokens * self.unfinished + self.pad * (1 - self.unfinished)
         self.tokens.copy_(next_tokens)
         self.seq.index_copy_(1, self.length, next_tokens[:, None])
+        for form in self.forms:  # before the length moves on: `self.length` is the token's position
+            form.after_token(next_tokens, self.length)
         self.length.add_(1)
         if self.eos is not None:
             self.unfinished.bitwise_and_(~(next_tokens[:, None] == self.eos).any(-1))
