@@ -306,6 +306,20 @@ class CachedMethod(LogitsProcessor):
         return scores * self.factor()
 
 
+class SetsData(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        scores.data = scores.data * 2  # rebinds the caller's tensor: no replay would
+        return scores
+
+
+class HoldsTheModel(LogitsProcessor):
+    def __init__(self):
+        self.model = build("llama")  # a big object graph: checking it at every step would cost what capture saves
+
+    def __call__(self, input_ids, scores):
+        return scores
+
+
 class HoldsRng(LogitsProcessor):
     def __init__(self):
         self.rng = random.Random(0)
@@ -345,6 +359,7 @@ IMPURE = {
     "mutates_scores": MutatesScores, "mutates_scores_in_place_op": MutatesScoresInPlaceOp, "mutates_ids": MutatesIds,
     "prints": Prints, "clock": Clock, "python_random": PyRandom, "explicit_generator": OwnGenerator,
     "writes_state_tensor": lambda: StateTensor(VOCAB), "tries_a_host_read": TriesHostRead, "logs": Logs,
+    "sets_tensor_data": SetsData,
 }
 
 
@@ -395,7 +410,7 @@ class GuardFor(unittest.TestCase):
             self.assertTrue(torch.equal(a, b))
 
     @parameterized.expand([("random_state", HoldsRng), ("deque", HoldsDeque), ("lru_cache", CachedMethod),
-                           ("tensor_subclass", lambda: Scale(torch.ones(2).as_subclass(_Sub)))])
+                           ("the_model", HoldsTheModel), ("tensor_subclass", lambda: Scale(torch.ones(2).as_subclass(_Sub)))])
     def test_state_that_no_fingerprint_sees_gives_no_guard(self, _, make):
         self.assertIsNone(guard_for(make()))
 

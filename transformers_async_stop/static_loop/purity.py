@@ -59,7 +59,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-_LIMIT = 5000  # objects in one snapshot: more is too much to check at every step
+_LIMIT = 5000  # objects in one snapshot
+_NODES = 256  # fingerprints checked before each replay (about 0.5 us each): more would cost what capture saves
 _CPU_VALUES = 4096  # elements of a CPU tensor in the state, compared by value at every check
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB = tuple({p + os.sep for p in (sysconfig.get_paths()["stdlib"],
@@ -75,7 +76,9 @@ _VALUE_TYPES = (list, tuple, dict, set, frozenset, str, bytes, int, float, compl
 _HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "cpu",
                "data_ptr", "untyped_storage", "storage", "_typed_storage", "__array__", "__dlpack__", "__repr__",
                "__str__", "__format__", "__hash__", "__reduce_ex__", "__deepcopy__", "equal", "allclose",
-               "is_nonzero", "is_set_to", "_version", "__setstate__", "pin_memory"}
+               "is_nonzero", "is_set_to", "_version", "__setstate__", "pin_memory",
+               # not host reads, but changes to a tensor's fields that no replay would repeat
+               "requires_grad_", "retain_grad", "register_hook", "share_memory_", "record_stream"}
 _INPUT_IDS_METADATA = {"device", "dtype", "ndim", "dim", "is_cuda", "__len__"}
 _FROM_HOST = {"tensor", "as_tensor", "asarray", "from_numpy", "frombuffer", "scalar_tensor"}
 _METADATA_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_contiguous",
@@ -209,6 +212,8 @@ class _Snapshot:
         return True
 
     def _node(self, fingerprint, obj) -> None:
+        if len(self.nodes) >= _NODES:
+            raise _Unprovable("its state is too large to check at every step")
         self.nodes.append((fingerprint, obj, fingerprint(obj)))
 
     def _own(self, inner) -> None:  # a dict fingerprinted by its owner's node: walk it, no node of its own
@@ -490,6 +495,8 @@ class _Recorder:
     # --- torch functions (the Python API) ----------------------------------------------------------------------
     def check_function(self, func, args, kwargs) -> None:
         name = getattr(func, "__name__", "")
+        if name in ("__set__", "__delete__"):  # `t.data = ...`, `t.grad = ...`: the call changes a tensor's fields
+            return self.fail(f"it sets a tensor's {getattr(getattr(func, '__self__', None), '__name__', '?')}")
         if name == "__get__":  # a tensor property, e.g. `.shape`
             name = getattr(getattr(func, "__self__", None), "__name__", name)
         if name in _HOST_READS:
