@@ -71,10 +71,10 @@ class DecodeInputs:
             return inputs, None
         return inputs, cls(inputs, positions, mask)
 
-    def next(self, tokens: torch.Tensor) -> dict:
-        """Step t+1's inputs, given step t's tokens (what stock appended to `input_ids`)."""
+    def next(self, column: torch.Tensor) -> dict:
+        """Step t+1's inputs, given step t's tokens as the (batch, 1) column stock appended to `input_ids`."""
         inputs = self.inputs
-        inputs["input_ids"] = tokens[:, None]
+        inputs["input_ids"] = column
         if self.positions is not None:
             self.positions = inputs["position_ids"] = self.positions + 1
         if self.mask is not None:

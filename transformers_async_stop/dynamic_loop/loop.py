@@ -51,7 +51,7 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
             while True:
                 if outputs is None:  # a decode step (the prefill's outputs are the first step's)
                     if step_inputs is not None:
-                        model_inputs = step_inputs.next(next_tokens)
+                        model_inputs = step_inputs.next(column)
                     elif first:
                         first = False
                         model_inputs, step_inputs = DecodeInputs.build(model, input_ids, model_kwargs)
@@ -82,7 +82,8 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
                     next_tokens = torch.argmax(next_token_scores, dim=-1)
                 if has_eos:
                     next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
-                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+                column = next_tokens[:, None]  # also the next forward's `input_ids` (`DecodeInputs.next`)
+                input_ids = torch.cat([input_ids, column], dim=-1)
                 length = input_ids.shape[1]
                 if criteria:
                     is_done = fold_criteria(criteria, length, lambda: input_ids, scores, ctl, {})
