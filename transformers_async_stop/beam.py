@@ -23,6 +23,7 @@ import torch
 
 from .cache_rollback import loop_cache, why_not_rollbackable
 from .call_state import CALL, active_controller, compiling
+from . import path_report
 from .config import _mark, runs_stock
 from .controller import AsyncStop
 from .generation import cache_is_returned, cache_out_of_sight, rollback_loop_cache, trim_recorded
@@ -52,7 +53,8 @@ def patched_beam_search(original, target):
         state = CALL.get()
         if state is None or state.ctl is not None or runs_stock(
                 generation_config, input_ids.device,
-                lambda: _why_stock(self, generation_config, synced_gpus, model_kwargs)):
+                lambda: _why_stock(self, generation_config, synced_gpus, model_kwargs),
+                "beam sample" if generation_config.do_sample else "beam search"):
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, **model_kwargs)
 
@@ -72,6 +74,7 @@ def patched_beam_search(original, target):
         finally:
             state.ctl = None
             ctl.close()
+        path_report.deferred_loop(ctl)
         steps = ctl.finish()
         if steps and not isinstance(outputs, torch.Tensor):
             trim_recorded(outputs, steps)  # the finished beams themselves were kept

@@ -18,6 +18,7 @@ from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step
 from .call_state import CALL, CallState, active_controller, active_draft, compiling
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
 from . import concurrency, dynamic_loop, static_loop
+from . import path_report
 from .controller import AsyncStop
 from .patching import MARKER
 from .peers import PeerVerdict
@@ -33,6 +34,7 @@ def patched_generate(original, target):
                 warn_stock("a `custom_generate` decoding loop is not ours to defer")
         if FIELD in kwargs:
             check_flag(kwargs[FIELD])
+        report = path_report.begin(self, kwargs)  # last_path() and the logger's line
         # a fresh state for this call, also when it runs inside another generate()'s processor or criterion
         token = CALL.set(CallState(user_cache=kwargs.get("past_key_values") is not None,
                                    slice_inputs="cache_position" not in kwargs))
@@ -41,6 +43,7 @@ def patched_generate(original, target):
                 return original(self, *args, **kwargs)
         finally:
             CALL.reset(token)
+            path_report.end(report)
 
     return _mark(generate, original)
 
@@ -159,6 +162,7 @@ def patched_sample(original, target):
         finally:
             state.ctl = None
             ctl.close()
+        path_report.deferred_loop(ctl)
         if not route_a:
             outputs = _undo_route_b(ctl, outputs, model_kwargs)
         return outputs

@@ -18,6 +18,7 @@ can forbid candidates.
 from __future__ import annotations
 
 from ..call_state import CALL
+from .. import path_report
 from ..config import _mark, runs_stock, warn_stock
 from . import loop
 
@@ -90,7 +91,8 @@ def patched_assisted_decoding(original, target):
         state = CALL.get()
         if state is None or state.ctl is not None or runs_stock(
                 generation_config, input_ids.device,
-                lambda: _why_stock(self, generation_config, synced_gpus, stopping_criteria, input_ids, kwargs)):
+                lambda: _why_stock(self, generation_config, synced_gpus, stopping_criteria, input_ids, kwargs),
+                "prompt lookup" if kwargs.get("assistant_model") is None else "assisted"):
             return stock()
 
         from transformers.generation import candidate_generator as cg_module
@@ -117,6 +119,7 @@ def patched_assisted_decoding(original, target):
         else:
             reason = f"assisted decoding with {kind.__name__} is not made async"
         if reason is not None:
+            path_report.stock(reason)
             warn_stock(reason, stacklevel=3)
             state.assisted = _Parked(generator)
             try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import path_report
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
 from .inputs import StepInputs
@@ -87,6 +88,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
             _give_back_extra_forward(ctl, cache)
         raise
     finally:
+        path_report.static_loop(plan.capture, len(tail.graphs))
         tail.close()
 
     if ctl.finish():
