@@ -33,7 +33,11 @@ def main():
     ap.add_argument("--shrink", type=int, default=120, help="shrinking tries per failure (0: no shrinking)")
     ap.add_argument("--max-failures", type=int, default=20, help="stop after this many failures")
     ap.add_argument("--json", default="", help="write the counts and failures here")
+    ap.add_argument("--workers", type=int, default=1, help="split the seeds over this many processes (one GPU "
+                                                            "is mostly idle between a tiny model's steps)")
     args = ap.parse_args()
+    if args.workers > 1 and not args.scenario:
+        return _fan_out(args)
     if args.device == "cpu":
         os.environ.setdefault("TRANSFORMERS_ASYNC_STOP_FORCE", "1")
     warnings.filterwarnings("ignore")
@@ -63,6 +67,12 @@ def main():
         if counts["drawn"] % 25 == 0:
             print(f"  {counts['drawn']} drawn, {time.time() - start:.0f}s: {dict(counts)}", flush=True)
         counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(status, status)] += 1
+        if status in ("fail", "crashed") and ("device-side assert" in detail or "CUDA error" in detail):
+            # the process's CUDA context is gone: every later scenario would fail the same way
+            print(f"FAIL seed {seed} (CUDA unusable after it, stopping): {detail[:400]}", flush=True)
+            failures.append({"seed": seed, "detail": detail, "scenario": sc})
+            counts["crashed"] += 1
+            break
         if status in ("fail", "crashed"):
             print(f"FAIL seed {seed}: {detail[:400]}", flush=True)
             small = sc
@@ -83,6 +93,45 @@ def main():
             json.dump({"transformers": transformers.__version__, "device": args.device, "counts": counts,
                        "seconds": elapsed, "failures": failures}, f, indent=1, default=str)
     return 1 if failures else 0
+
+
+def _fan_out(args) -> int:
+    """Run the seeds in `args.workers` processes of this script (contiguous slices), then add up their counts."""
+    import subprocess
+    import tempfile
+
+    seeds = [int(x) for x in args.only.split(",") if x.strip()] or list(range(args.seed, args.seed + args.draws))
+    tmp = tempfile.mkdtemp(prefix="usage_fuzz_")
+    procs = []
+    for w in range(args.workers):
+        part = seeds[w::args.workers]
+        if not part:
+            continue
+        out = os.path.join(tmp, f"w{w}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(map(str, part)), "--device",
+               args.device, "--shrink", str(args.shrink), "--max-failures", str(args.max_failures), "--json", out]
+        procs.append((subprocess.Popen(cmd), out))
+    counts, failures, version, seconds = collections.Counter(), [], "?", 0.0
+    for proc, out in procs:
+        proc.wait()
+        if not os.path.exists(out):
+            counts["crashed"] += 1  # the worker itself died (a device-side assert ends a CUDA process)
+            continue
+        with open(out) as f:
+            data = json.load(f)
+        counts.update(data["counts"])
+        failures.extend(data["failures"])
+        version, seconds = data["transformers"], max(seconds, data["seconds"])
+    print(f"TOTAL transformers {version} device {args.device} workers {args.workers}: " +
+          " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed")) +
+          f" (slowest worker {seconds:.0f}s)")
+    for f in failures:
+        print(f"FAILED seed {f['seed']}: {f['detail'][:300]}\n  {json.dumps(f['scenario'], sort_keys=True)}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"transformers": version, "device": args.device, "counts": counts, "failures": failures}, fh,
+                      indent=1, default=str)
+    return 1 if failures or counts["crashed"] else 0
 
 
 if __name__ == "__main__":

@@ -72,6 +72,13 @@ class UsageHoles(unittest.TestCase):
         self.assert_as_stock(scenario("returned_static", [turn(batch=1, eos=[47], max_new_tokens=4,
                                                                return_dict=True)], seed=22, family="qwen2"))
 
+    # --- F2 (beyond the issue): on 4.57.6 stock takes the ids' length as the total, so new tokens only leave an
+    # empty cache_position; stock raises IndexError from its own code, the flag must raise the same (5.x: both run)
+    def test_an_input_whose_every_token_is_cached_raises_as_stock(self):
+        first = turn(batch=1, prompt_len=2, max_new_tokens=1, eos=None)
+        second = turn(batch=1, prompt_len=8, max_new_tokens=1, eos=None, feed="new", left_pad=True, user_len=1)
+        self.assert_as_stock(scenario("user_static", [first, second], seed=3, room="roomy"), may_raise=True)
+
     # --- issue 16, item 5: processors get what stock gives them ------------------------------------------------------
     def test_a_processor_keeping_references_to_scores_on_the_static_loop(self):
         self.assert_as_stock(scenario("config_static", [turn(eos=[17], processors=[{"kind": "keep_ref"}])], seed=0))
