@@ -3,6 +3,7 @@ each step's model kwargs equal what stock transformers' own function returns for
 
 from __future__ import annotations
 
+import os
 import unittest
 from unittest import mock
 
@@ -46,7 +47,9 @@ class KwargsUpdateEqualsStock(unittest.TestCase):
             ref = model.generate(ids, **kw)
         forwards = CountForwards(model)
         try:
-            with mock.patch.object(kwargs_update.KwargsUpdate, "__call__", checked):
+            # the deferred path's update: the dynamic-cache loop (dynamic_loop/) makes its inputs without it
+            with mock.patch.object(kwargs_update.KwargsUpdate, "__call__", checked), \
+                    mock.patch.dict(os.environ, {"TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP": "0"}):
                 out = model.generate(ids, async_stopping_criteria=True, **kw)
         finally:
             forwards.close()
