@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from transformers.utils import is_torchdynamo_exporting
+
 from .call_state import CALL
 from .config import _mark
 
@@ -21,13 +23,14 @@ def patched_cache_dependant_input_preparation(original, target):
     def _cache_dependant_input_preparation(self, input_ids, inputs_embeds, cache_position, *args, **kwargs):
         if (
             not torch.compiler.is_compiling()
-            and not torch.compiler.is_exporting()
+            and not is_torchdynamo_exporting()  # torch.compiler.is_exporting is 2.7+
             and (state := CALL.get()) is not None
             and state.slice_inputs
             and inputs_embeds is None
             and isinstance(input_ids, torch.Tensor)
             and isinstance(cache_position, torch.Tensor)
             and input_ids.shape[1] > 0
+            and cache_position.shape[0] > 0  # nothing to feed: stock's own check raises (a fully cached input)
         ):
             if cache_position.shape[0] != input_ids.shape[1]:
                 input_ids = input_ids[:, -cache_position.shape[0]:]
