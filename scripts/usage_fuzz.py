@@ -59,7 +59,7 @@ def main():
         except Exception as exc:  # noqa: BLE001
             return "crashed", f"{type(exc).__name__} outside generate(): {exc}"
 
-    counts, failures, start = collections.Counter(), [], time.time()
+    counts, failures, start, cpu0 = collections.Counter(), [], time.time(), time.process_time()
     print(f"transformers {transformers.__version__}, device {args.device}", flush=True)
     for seed, sc in scenarios:
         status, detail = outcome(sc)
@@ -87,7 +87,7 @@ def main():
     elapsed = time.time() - start
     print(f"transformers {transformers.__version__} device {args.device}: " +
           " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed")) +
-          f" in {elapsed:.0f}s")
+          f" in {elapsed:.0f}s ({time.process_time() - cpu0:.0f}s of CPU)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"transformers": transformers.__version__, "device": args.device, "counts": counts,

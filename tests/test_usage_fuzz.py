@@ -70,12 +70,15 @@ class DrawsCoverUsage(unittest.TestCase):
         for key in ("embeds", "streamer", "return_dict", "output_scores", "output_logits", "left_pad"):
             self.assertTrue(any(t.get(key) for t in turns) and not all(t.get(key) for t in turns), key)
         for key in ("min_new_tokens", "num_return_sequences", "stale_cache", "restart", "pad_omitted", "use_cache",
-                    "max_length_extra"):
+                    "max_length_extra", "config_procs", "mask_omitted", "in_thread", "prefill_chunk_size",
+                    "output_hidden_states", "output_attentions"):
             self.assertTrue(any(key in t for t in turns), key)
         self.assertTrue(any(t.get("max_length_extra", 1) <= 0 for t in turns))
         self.assertEqual({p["kind"] for t in turns for p in t["processors"]} - {"graph_safe_liar"}, set(PROCESSORS))
         self.assertEqual({c["kind"] for t in turns for c in t["criteria"]}, set(CRITERIA))
         self.assertEqual({c["threads"]["mode"] for c in cases if "threads" in c}, {"one_model", "two_models"})
+        self.assertEqual({c.get("flag_via") for c in cases}, {None, "generation_config", "model_config"})
+        self.assertTrue(any(c.get("dtype") == "bfloat16" for c in cases))
         self.assertTrue(any(c["do_sample"] for c in cases) and not all(c["do_sample"] for c in cases))
         self.assertTrue(any(isinstance(t["eos"], list) and len(t["eos"]) > 1 for t in turns))
         self.assertTrue({None, "config"} <= {t["eos"] if not isinstance(t["eos"], list) else 0 for t in turns})
