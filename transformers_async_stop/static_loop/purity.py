@@ -22,7 +22,8 @@ and `sys.setprofile`, and rejects it (capturable False) if it:
   to the device (`torch.tensor(..., device="cuda")`);
 - uses `input_ids` beyond `input_ids.shape[0]`, `.size(0)`, `len()`, `.device`, `.dtype`, `.ndim`. The graph is
   replayed on a fixed view, so neither the values nor the length of `input_ids` may be read;
-- writes in place a tensor it did not create in the call (its inputs or tensor state);
+- writes in place a tensor it did not create in the call (its inputs or tensor state), or sets a tensor's fields
+  (`t.data = ...`, `requires_grad_()`, hooks);
 - draws from an explicit `torch.Generator`. Only the device's default generator is registered to a CUDA graph
   (`CUDAGraph::capture_begin`; `CUDAGeneratorState` keeps a per-capture philox offset that each replay advances,
   see ATen/cuda/CUDAGeneratorImpl.h), so its draws in a replay are the ones eager would make;
@@ -31,7 +32,8 @@ and `sys.setprofile`, and rejects it (capturable False) if it:
 - runs Python code not reached through the snapshotted state, calls into torch modules other than the tensor ops
   and `nn.Module` machinery, or calls a C function not known to be pure (`print`, `time.time`, `random.random`);
 - holds state no fingerprint can see: objects of C types other than tensors, containers, functions and scalars;
-  tensor subclasses; more than `_LIMIT` objects; a CPU tensor over `_CPU_VALUES` elements.
+  tensor subclasses; more than `_LIMIT` objects or `_NODES` fingerprints; a CPU tensor over `_CPU_VALUES` elements.
+  (`guard_for` already returns None for such state; a Guard from `guard_for` means "can be judged", not "pure".)
 
 The snapshot holds one node per mutable thing the call could read: the processor, its classes (with the `__call__`
 code), the globals and attribute paths each executed code object reads, closures, defaults, containers, tensors
