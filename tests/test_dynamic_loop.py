@@ -26,6 +26,7 @@ from models import (
     assert_flag_matches_stock,
     assert_same,
     build,
+    count_syncs,
     eos_ids_finishing_at,
     prompt,
     stock,
@@ -37,6 +38,7 @@ from transformers_async_stop.verified import matches
 # taken exactly where its sources were checked; every other release must fall back to the deferred path
 TAKEN = TRANSFORMERS_VERSION >= (5, 17) and matches("dynamic decode loop")
 needs_loop = unittest.skipUnless(TAKEN, "the dynamic-cache loop is taken on transformers 5.17-5.23")
+needs_cuda = unittest.skipUnless(torch.cuda.is_available() and TAKEN, "needs a CUDA device and transformers 5.17-5.23")
 
 
 class LoopSpy:
@@ -345,3 +347,39 @@ class DraftLoop(unittest.TestCase):
             on = run(True)
         self.assertGreater(spy.runs, 1, "every round's draft runs the lean loop")
         assert_same(self, ref, on)
+
+
+# --- on CUDA: the same loop, no blocking read per decode step -----------------------------------------------------
+@needs_cuda
+class CudaDynamicLoop(unittest.TestCase):
+    @parameterized.expand([(sampling, padded) for sampling in (False, True) for padded in (False, True)])
+    def test_the_loop_equals_stock_on_cuda(self, sampling, padded):
+        model = build("llama", device="cuda")
+        ids, mask = prompt(batch=3, left_pad=padded, device="cuda")
+        with LoopSpy() as spy:
+            assert_flag_matches_stock(self, model, ids, mask, torch.device("cuda"),
+                                      **_kwargs(model, ids, mask, sampling))
+        self.assertEqual((spy.runs, spy.lean), (1, [True]))
+
+    @parameterized.expand([("unpadded", False), ("padded", True)])
+    def test_zero_syncs_per_decode_step(self, _, padded):
+        model = build("llama", device="cuda")
+        ids, mask = prompt(batch=2, left_pad=padded, device="cuda")
+
+        def per_step(**extra):
+            def call(n):
+                return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                              pad_token_id=PAD, **extra)
+            call(24)()
+            call(1)()
+            return (count_syncs(call(24)) - count_syncs(call(1))) / 23
+
+        with stock():
+            stock_syncs = per_step()
+        with LoopSpy() as spy:
+            on_syncs = per_step(async_stopping_criteria=True)
+        print(f"\nSYNCS transformers={'.'.join(map(str, TRANSFORMERS_VERSION))} case=dynamic_loop_{_} "
+              f"stock={stock_syncs:.2f} flag_on={on_syncs:.2f}")
+        self.assertGreater(spy.runs, 0)
+        self.assertGreaterEqual(stock_syncs, 1.0)
+        self.assertEqual(on_syncs, 0.0)
