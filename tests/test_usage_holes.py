@@ -91,6 +91,15 @@ class UsageHoles(unittest.TestCase):
         self.assert_as_stock(scenario("user_static", [turn(processors=procs), turn(feed="new", processors=procs)],
                                       room="roomy"))
 
+    # --- F3 (beyond the issue): a criterion keeping the `input_ids` it gets, while a processor edits them in place
+    @parameterized.expand([("static", "config_static"), ("user_static", "user_static"), ("dynamic", "none")])
+    def test_a_criterion_keeping_input_ids_while_a_processor_edits_them(self, _, cache):
+        # on the static loop (08:55) the criterion's first kept tensor reads [[43, 35, 9], ...], stock [[43, 35, 18], ...]
+        only = turn(prompt_len=2, eos=None, max_length_extra=6, criteria=[{"kind": "keep_ref"}],
+                    processors=[{"kind": "mutate_ids"}])
+        del only["max_new_tokens"]
+        self.assert_as_stock(scenario(cache, [only], seed=1124, room="roomy"))
+
     # --- issue 16, item 6: a temperature annealed mid-call by a criterion --------------------------------------------
     def test_a_temperature_annealed_by_a_criterion(self):
         procs, crits = [{"kind": "user_temperature", "t": 0.8}], [{"kind": "anneal", "factor": 0.5}]
