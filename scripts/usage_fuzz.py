@@ -60,6 +60,7 @@ def main():
             return "crashed", f"{type(exc).__name__} outside generate(): {exc}"
 
     counts, failures, start, cpu0 = collections.Counter(), [], time.time(), time.process_time()
+    skips = collections.Counter()
     print(f"transformers {transformers.__version__}, device {args.device}", flush=True)
     for seed, sc in scenarios:
         status, detail = outcome(sc)
@@ -67,6 +68,9 @@ def main():
         if counts["drawn"] % 25 == 0:
             print(f"  {counts['drawn']} drawn, {time.time() - start:.0f}s: {dict(counts)}", flush=True)
         counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(status, status)] += 1
+        if status == "stock_err":  # what stock raised (a high count of one reason: a dimension drawn in vain)
+            parts = detail.split(": ", 2)  # "turn T: Type: message"
+            skips[": ".join(parts[1:])[:70] if len(parts) == 3 else detail[:70]] += 1
         if status in ("fail", "crashed") and ("device-side assert" in detail or "CUDA error" in detail):
             # the process's CUDA context is gone: every later scenario would fail the same way
             print(f"FAIL seed {seed} (CUDA unusable after it, stopping): {detail[:400]}", flush=True)
@@ -88,10 +92,12 @@ def main():
     print(f"transformers {transformers.__version__} device {args.device}: " +
           " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed")) +
           f" in {elapsed:.0f}s ({time.process_time() - cpu0:.0f}s of CPU)")
+    for reason, n in skips.most_common(8):
+        print(f"  skipped {n}: stock raised {reason}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"transformers": transformers.__version__, "device": args.device, "counts": counts,
-                       "seconds": elapsed, "failures": failures}, f, indent=1, default=str)
+                       "seconds": elapsed, "failures": failures, "skips": skips}, f, indent=1, default=str)
     return 1 if failures else 0
 
 
