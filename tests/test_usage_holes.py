@@ -135,9 +135,10 @@ class UsageHolesCuda(UsageHoles):
     # issue 16, item 4: two threads generating at once on one model (and on two), static caches
     @parameterized.expand([("one_model", "one_model"), ("two_models", "two_models")])
     def test_two_threads_with_static_caches(self, _, mode):
-        other = scenario("config_static", [turn(eos=[21], max_new_tokens=12)], seed=5)
-        self.assert_as_stock(scenario("config_static", [turn(max_new_tokens=12), turn()], seed=6,
-                                      threads={"mode": mode, "other": other}))
+        # each thread its own StaticCache (cache_implementation="static" keeps one on the model: shared in stock too)
+        other = scenario("user_static", [turn(eos=[21], max_new_tokens=12)], seed=5, room="roomy")
+        self.assert_as_stock(scenario("user_static", [turn(max_new_tokens=12), turn(feed="new")], seed=6,
+                                      room="roomy", threads={"mode": mode, "other": other}))
 
 
 if __name__ == "__main__":
