@@ -30,16 +30,37 @@ import warnings
 
 import torch
 
+from .. import concurrency
+
 _CAPTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
 
 def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
-    # a graph cannot be captured on the legacy default stream, where most callers run
+    # a graph cannot be captured on the legacy default stream, where most callers run; one per device is enough,
+    # since captures are serialised (`concurrency.capture_turn`)
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _CAPTURE_STREAMS.get(index)
     if stream is None:
         stream = _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
+
+
+def _heal_generator(graph, stream) -> None:
+    """After a capture that did not end cleanly: end it, and leave the default generator out of capture mode.
+
+    Up to torch 2.12 `capture_end` raises before the generators' capture epilogue when the capture was invalidated
+    (a host read inside it), and the generator stays in capture mode: every later random op in the process raises.
+    An empty capture on the same generator runs the prologue and epilogue again. Captures never move the
+    generator's own offset, so the state afterwards is the one before the failed capture."""
+    with contextlib.suppress(Exception):
+        with torch.cuda.stream(stream):
+            graph.capture_end()
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the CUDA graph is empty"
+        empty = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            empty.capture_begin(capture_error_mode="thread_local")
+            empty.capture_end()
 
 
 def prefix(seq: torch.Tensor, length: int) -> torch.Tensor:
@@ -216,27 +237,38 @@ class Tail:
         return scores
 
     def _capture(self, key, length: int, advance: bool):
-        """Capture the body for `key` and replay it once (this step); None if capture failed (then eager for good)."""
-        graph = torch.cuda.CUDAGraph()
-        main = torch.cuda.current_stream(self.seq.device)
-        stream = _capture_stream(self.seq.device)
-        stream.wait_stream(main)
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
+        """Capture the body for `key` and replay it once (this step); None if it was not captured (then this step runs
+        eagerly; after a failed capture, every step of this call does).
+
+        Whatever happens inside the capture, nothing global is left behind: a capture that fails, or is interrupted,
+        leaves the device's random generator as it found it (`_heal_generator`), so this step's eager run draws what
+        stock draws, and so does every later random op in the process."""
+        device = self.seq.device
+        with concurrency.capture_turn() as alone:
+            if not alone:
+                return None  # another thread is inside generate(): eager this step, try again at the next
+            graph = torch.cuda.CUDAGraph()
+            main = torch.cuda.current_stream(device)
+            stream = _capture_stream(device)
+            stream.wait_stream(main)
+            began = False
+            try:
+                with torch.cuda.stream(stream):
+                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    began = True
                     scores = self._body(self.seq[:, :length], advance)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        graph.capture_end()
-                    raise
-                graph.capture_end()
-        except Exception as error:  # a processor declared graph-safe that is not: run eagerly from now on
-            self.capture = False
-            warnings.warn(f"async_stopping_criteria=True: the decode step could not be captured into a CUDA graph "
-                          f"({type(error).__name__}: {error}); it runs eagerly for the rest of this call (identical "
-                          "output).", UserWarning, stacklevel=4)
-            return None
+                    graph.capture_end()
+            except BaseException as error:
+                if began:
+                    _heal_generator(graph, stream)
+                if not isinstance(error, Exception):
+                    raise  # KeyboardInterrupt, SystemExit: after the generator is healed
+                # a processor declared graph-safe that is not: run eagerly from now on
+                self.capture = False
+                warnings.warn(f"async_stopping_criteria=True: the decode step could not be captured into a CUDA "
+                              f"graph ({type(error).__name__}: {error}); it runs eagerly for the rest of this call "
+                              "(identical output).", UserWarning, stacklevel=4)
+                return None
         self.pool = graph.pool()
         self.graphs[key] = graph
         self.outputs[key] = scores
