@@ -15,6 +15,8 @@ import torch
 from transformers import LogitsProcessor, MinNewTokensLengthLogitsProcessor, StoppingCriteria, \
     TemperatureLogitsWarper
 
+from transformers.generation.streamers import BaseStreamer
+
 from adversarial_helpers import Boom, InnerGenerate
 from transformers_async_stop import graph_safe
 
@@ -138,6 +140,24 @@ class Crit(Recorder, StoppingCriteria):
             self.ctx.inner(s).judge(input_ids)
             return no
         return no
+
+
+class KeepingStreamer(BaseStreamer):
+    """Records every put() (a copy, and the tensor itself, read again after the call: a consumer thread reading a
+    queue of tensors later sees what stock gave it, so the tensors must not be reused buffers) and every end()."""
+
+    def __init__(self):
+        self.copies, self.refs, self.ends = [], [], 0
+
+    def put(self, value):
+        self.refs.append(value)
+        self.copies.append((str(value.device), value.detach().clone()))
+
+    def end(self):
+        self.ends += 1
+
+    def observed(self):
+        return [self.copies, [r.detach().clone() for r in self.refs], self.ends]
 
 
 class Context:

@@ -19,9 +19,9 @@ import threading
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from adversarial_helpers import Boom, RecordingStreamer, cache_state, config_cache, judge_model, static_cache
+from adversarial_helpers import Boom, cache_state, config_cache, judge_model, static_cache
 from models import PAD, build, stock
-from usage_callbacks import Context, Crit, make_processor, observed
+from usage_callbacks import Context, Crit, KeepingStreamer, make_processor, observed
 
 VOCAB = 48
 ROOMY = 100
@@ -185,7 +185,7 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
             kwargs["logits_processor"] = LogitsProcessorList(procs)
         if crits:
             kwargs["stopping_criteria"] = StoppingCriteriaList(crits)
-        streamer = RecordingStreamer() if turn["streamer"] else None
+        streamer = KeepingStreamer() if turn["streamer"] else None
         if streamer is not None:
             kwargs["streamer"] = streamer
         via = sc.get("flag_via", "kwarg")
@@ -205,7 +205,7 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
             if not isinstance(exc, Boom) and result.stock_err is None:
                 result.stock_err = (t,) + err
         entry = {"turn": t, "error": err, "output": _norm(out), "callbacks": _norm(observed(procs + crits, ctx)),
-                 "streamer": None if streamer is None else (streamer.puts, streamer.ends)}
+                 "streamer": None if streamer is None else _norm(streamer.observed())}
         if rng_draws:
             entry["rand"] = torch.rand(4, device=device).cpu()
         if cache is not None:
