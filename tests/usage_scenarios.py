@@ -90,6 +90,10 @@ def _turn(rng, sc, t, batch, device):
     turn["feed"] = "new" if cached and t > 0 and rng.random() < 0.5 else "full"
     turn["cache_position"] = cached and rng.random() < 0.15 and TAKES_CACHE_POSITION
     turn["embeds"] = rng.random() < 0.2
+    if turn["embeds"] and turn["feed"] == "new" and turn["user_len"] != 1:
+        # stock rejects inputs_embeds of only the new tokens (5.23: a reshape of 0 elements): kept in 1 draw of 5
+        # to check the flag raises the same, the others feed the whole conversation
+        turn["feed"] = "full"
     steps = rng.randint(1, 12)
     r = rng.random()
     if r < 0.8:
