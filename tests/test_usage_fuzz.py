@@ -5,7 +5,7 @@ A scenario where stock itself raises counts as passed when the flag raises the s
 seed is reported with its scenario; `python scripts/usage_fuzz.py --only <seed>` replays it and shrinks it.
 
 Environment:
-- `TAS_USAGE_DRAWS`: number of scenarios (default 40: about 2 minutes on 2 CPU cores);
+- `TAS_USAGE_DRAWS`: number of scenarios (default 80: about 1 s of CPU each on 2 cores, some 2 minutes);
 - `TAS_USAGE_SEED`: the first scenario's seed (default 0; scenario i uses seed TAS_USAGE_SEED + i);
 - `TAS_USAGE_ONLY`: a comma-separated list of seeds to replay instead;
 - `TAS_USAGE_DEVICE`: where the models run (default cpu; `cuda` on a GPU machine).
@@ -31,7 +31,7 @@ def _seeds() -> list[int]:
     if only:
         return [int(s) for s in only.split(",") if s.strip()]
     first = int(os.environ.get("TAS_USAGE_SEED", "0"))
-    return list(range(first, first + int(os.environ.get("TAS_USAGE_DRAWS", "40"))))
+    return list(range(first, first + int(os.environ.get("TAS_USAGE_DRAWS", "80"))))
 
 
 SEEDS = _seeds()
