@@ -49,6 +49,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
     cache = model_kwargs.get("past_key_values")
     model_inputs, first = None, True
     tail = Tail(plan, seq, length, unfinished_sequences, pad_token_id)
+    tail.held = (input_ids, length, input_ids._version)  # the first step's processors get generate()'s own ids
     step_inputs = None  # the first decode step makes them; None afterwards: stock rebuilds the inputs every step
     try:
         with model._optimize_model_for_decode():
@@ -66,13 +67,15 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
                 next_token_logits = tail.load(outputs.logits)
                 outputs = None
                 step_scores = tail.run(length, advance=step_inputs is not None)
+                # stock keeps the very tensors it made; a captured tail rewrites its buffers at every replay
                 if scores is not None:
-                    scores += (step_scores.clone(),)
+                    scores += (step_scores if tail.fresh else step_scores.clone(),)
                 if raw_logits is not None:
-                    raw_logits += (next_token_logits.clone(),)
+                    raw_logits += (next_token_logits if tail.fresh else next_token_logits.clone(),)
                 length += 1
                 if plan.criteria:
-                    is_done = fold_criteria(plan.criteria, length, lambda: prefix(seq, length), scores, ctl, {})
+                    is_done = fold_criteria(plan.criteria, length, lambda: tail.sequence(length), scores, ctl, {})
+                    tail.settle()  # a criterion's in-place edit of the sequence lands in it, as in stock
                     if is_done is not None:
                         unfinished_sequences.bitwise_and_(~is_done)  # stock: `unfinished & ~is_done`
                 if ctl.record(unfinished_sequences, tail.tokens, length):
@@ -88,7 +91,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
             _give_back_extra_forward(ctl, cache)
         raise
     finally:
-        path_report.static_loop(plan.capture, len(tail.graphs))
+        path_report.static_loop(bool(tail.graphs), len(tail.graphs))
         tail.close()
 
     if ctl.finish():
