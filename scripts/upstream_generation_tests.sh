@@ -3,10 +3,12 @@
 # (never copied into this repository), run on unpatched transformers 5.23.0 and on 5.23.0 with the upstream series
 # (upstream/*.patch): the two must have the same outcomes. Local only (CI has no GitHub access).
 #
-#   bash scripts/upstream_generation_tests.sh GIT_DIR [pytest args...]
+#   bash scripts/upstream_generation_tests.sh GIT_DIR|TESTS_ROOT [pytest args...]
 #
 # GIT_DIR: a git directory of huggingface/transformers that has the tag (a bare mirror works, e.g. what the `fetch`
-# tool gives under /work/.mirror). Needs scripts/upstream_check.sh to have run first (its virtualenv provides torch
+# tool gives under /work/.mirror), or TESTS_ROOT: a folder laid out like the repository's root (tests/, and
+# conftest.py, utils/, src/ where it has them), used in place (e.g. test files assembled by hand).
+# Needs scripts/upstream_check.sh to have run first (its virtualenv provides torch
 # and unpatched 5.23.0, its --target folder the patched transformers); a second virtualenv with the tests' extra
 # dependencies is made next to it. Files: tests/generation/test_utils.py and the Llama, GPT-2, T5 and Whisper model
 # tests ($UPSTREAM_TEST_FILES overrides the list). Each run writes a JUnit XML; the end compares the two, test by test.
@@ -26,22 +28,28 @@ PATCHED=$WORK/patched
 start=$SECONDS
 step() { echo "== [$((SECONDS - start)) s] $*"; }
 
-step "the tests at $TAG from $MIRROR"
-git --git-dir="$MIRROR" rev-parse --verify -q "$TAG^{commit}" > /dev/null || { echo "no tag $TAG in $MIRROR"; exit 1; }
-TESTS=$WORK/upstream-tests
-rm -rf "$TESTS"
-mkdir -p "$TESTS"
-paths=()
-for path in conftest.py pyproject.toml setup.cfg utils tests; do
-  git --git-dir="$MIRROR" cat-file -e "$TAG:$path" 2> /dev/null && paths+=("$path")
-done
-git --git-dir="$MIRROR" archive "$TAG" "${paths[@]}" | tar --no-same-owner -x -C "$TESTS"
-for file in $FILES; do [[ -f $TESTS/$file ]] || { echo "$file is not in $TAG"; exit 1; }; done
+if [[ -d $MIRROR/tests ]]; then
+  TESTS=$(cd "$MIRROR" && pwd)
+  step "the tests in $TESTS (used in place)"
+else
+  step "the tests at $TAG from $MIRROR"
+  git --git-dir="$MIRROR" rev-parse --verify -q "$TAG^{commit}" > /dev/null || { echo "no tag $TAG in $MIRROR"; exit 1; }
+  TESTS=$WORK/upstream-tests
+  rm -rf "$TESTS"
+  mkdir -p "$TESTS"
+  paths=()
+  # src: tests/test_pipeline_mixin.py imports src/transformers/__init__.py by its path from the repository's root
+  for path in conftest.py pyproject.toml setup.cfg utils src tests; do
+    git --git-dir="$MIRROR" cat-file -e "$TAG:$path" 2> /dev/null && paths+=("$path")
+  done
+  git --git-dir="$MIRROR" archive "$TAG" "${paths[@]}" | tar --no-same-owner -x -C "$TESTS"
+fi
+for file in $FILES; do [[ -f $TESTS/$file ]] || { echo "$file is not in $TESTS"; exit 1; }; done
 
 # transformers' `testing` extra pins a package the index here does not have (transformers-mic): its pytest plugins
-# and test helpers are listed instead
+# and test helpers are listed instead (httpx: tests/utils/test_configuration_utils.py imports it)
 DEPS="torch==2.13.0 transformers==5.23.0 accelerate pytest pytest-xdist pytest-timeout pytest-rerunfailures pytest-order
-pytest-asyncio pytest-env parameterized timeout-decorator"
+pytest-asyncio pytest-env parameterized timeout-decorator httpx"
 step "the tests' virtualenv ($(echo $DEPS))"
 wanted="$("$PY" -c 'import sys; print(sys.version)') $(echo $DEPS)"
 if [[ ! -x $VENV/bin/python || "$(cat "$VENV/.installed" 2> /dev/null)" != "$wanted" ]]; then
