@@ -16,6 +16,7 @@ import torch
 from parameterized import parameterized
 
 from usage_runner import check
+from usage_scenarios import TAKES_CACHE_POSITION
 
 CUDA = torch.cuda.is_available()
 
@@ -38,6 +39,10 @@ class UsageHoles(unittest.TestCase):
     def assert_as_stock(self, sc, may_raise=False):
         status, detail = check(sc, self.device)
         self.assertNotEqual(status, "fail", detail)
+        if status == "stock_err" and not may_raise and TAKES_CACHE_POSITION:
+            # before 5.17 stock's generate() takes the ids' length as the total: new-tokens-only and some
+            # inputs_embeds continuations raise in stock itself (the flag raised the same, checked above)
+            self.skipTest(f"stock rejects this usage on this release: {detail}")
         if not may_raise:
             self.assertEqual(status, "pass", f"stock itself raised: {detail}")
 
