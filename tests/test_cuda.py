@@ -6,6 +6,7 @@ of an N-token call minus those of a 1-token call, so everything `generate()` doe
 
 from __future__ import annotations
 
+import os
 import unittest
 from unittest import mock
 
@@ -130,8 +131,10 @@ class CudaStreams(unittest.TestCase):
             lambda *a: seen["forward"].add(torch.cuda.current_stream().cuda_stream))
         caller = torch.cuda.current_stream().cuda_stream
         try:
-            model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD,
-                           stopping_criteria=StoppingCriteriaList([Spy()]), async_stopping_criteria=True)
+            # the deferred path's side stream; the dynamic-cache loop runs its criteria in line, as the static one
+            with mock.patch.dict(os.environ, {"TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP": "0"}):
+                model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD,
+                               stopping_criteria=StoppingCriteriaList([Spy()]), async_stopping_criteria=True)
         finally:
             handle.remove()
         self.assertEqual(seen["forward"], {caller})

@@ -269,7 +269,7 @@ class CudaCapturedTail(unittest.TestCase):
         self.assertEqual(spy.runs, 1)
         self.assertGreater(spy.captured, 0, "the tail was never captured")
 
-    def test_a_declared_processor_is_captured_an_undeclared_one_runs_eagerly_both_equal_stock(self):
+    def test_declared_and_provably_pure_processors_are_captured_an_impure_one_is_not_all_equal_stock(self):
         model = build("llama", device="cuda")
         ids, mask = prompt(batch=2, device="cuda")
 
@@ -277,14 +277,19 @@ class CudaCapturedTail(unittest.TestCase):
             def __call__(self, input_ids, scores):
                 return scores.softmax(-1)
 
-        for declared, captured in ((True, True), (False, False)):
-            processor = graph_safe(Softmax()) if declared else Softmax()
+        class LastTokenDown(LogitsProcessor):  # reads input_ids' values: a replay would read a stale view
+            def __call__(self, input_ids, scores):
+                return scores.scatter_add(1, input_ids[:, -1:], torch.full_like(scores[:, :1], -1.0))
+
+        # declared, undeclared but proven pure (static_loop/purity.py), and impure
+        for processor, captured in ((graph_safe(Softmax()), True), (Softmax(), True), (LastTokenDown(), False)):
             kw = dict(max_new_tokens=12, pad_token_id=PAD, cache_implementation="static", disable_compile=True,
                       do_sample=True, logits_processor=LogitsProcessorList([processor]),
                       eos_token_id=eos_ids_finishing_at(model, ids, mask, [4, None]))
-            with LoopSpy() as spy:
-                assert_flag_matches_stock(self, model, ids, mask, torch.device("cuda"), **kw)
-            self.assertEqual(spy.captured > 0, captured)
+            with self.subTest(processor=type(processor).__name__, captured=captured):
+                with LoopSpy() as spy:
+                    assert_flag_matches_stock(self, model, ids, mask, torch.device("cuda"), **kw)
+                self.assertEqual(spy.captured > 0, captured)
 
     def test_zero_syncs_per_decode_step_with_the_captured_tail(self):
         model = build("llama", device="cuda")

@@ -65,6 +65,8 @@ class UsageHoles(unittest.TestCase):
     @parameterized.expand([("exact", 0), ("one_more", 1), ("one_less", -1)])
     def test_a_chat_turn_fed_new_tokens_on_a_cache_sized_around_the_stop(self, _, room):
         # one less: stock overflows too (IndexError); the flag must raise the same
+        if room < 0 and self.device != "cpu":
+            self.skipTest("stock's own overflow is a device-side assert on CUDA: it would end the process's CUDA")
         self.assert_as_stock(scenario("user_static", [turn(), turn(feed="new")], room=room), may_raise=room < 0)
 
     @parameterized.expand([("exact", 0), ("one_more", 1)])
