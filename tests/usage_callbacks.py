@@ -48,9 +48,13 @@ class Proc(Recorder, LogitsProcessor):
         self.prev = None
 
     def __call__(self, input_ids, scores):
+        kind, s = self.spec["kind"], self.spec
+        if kind in ("graph_safe_pure", "graph_safe_liar"):
+            # a graph_safe() declaration promises no Python state: recording would break it (a captured processor
+            # runs once at capture, a failed capture's attempt included, then is replayed)
+            return self.graph_safe_call(scores)
         self.record(input_ids, scores)
         call, self.calls = self.calls, self.calls + 1
-        kind, s = self.spec["kind"], self.spec
         vocab = scores.shape[-1]
         if kind == "raise" and call == s["at"]:
             raise Boom(f"processor raised at call {call}")
@@ -83,8 +87,6 @@ class Proc(Recorder, LogitsProcessor):
             return scores
         if kind == "dtype":
             return scores.to(getattr(torch, s["dtype"]))
-        if kind in ("graph_safe_pure", "graph_safe_liar"):
-            return self.graph_safe_call(scores)
         if kind == "nested" and input_ids.shape[1] > 0:  # (inputs_embeds: no ids to judge at the prefill)
             tokens = self.ctx.inner(s).judge(input_ids)
             scores = scores.clone()
