@@ -79,6 +79,22 @@ class UsageHoles(unittest.TestCase):
         self.assert_as_stock(scenario("returned_static", [turn(batch=1, eos=[47], max_new_tokens=4,
                                                                return_dict=True)], seed=22, family="qwen2"))
 
+    # --- F4 (beyond the issue, found by the fuzzer on an H100): the static loop advanced the 4D mask assuming the 2D
+    # mask's last column is the cache position it writes; a turn whose conversation is shorter than what the cache
+    # holds (here after a turn whose criterion raised at its last step) broke that, and the last tokens differed
+    def test_a_turn_shorter_than_the_cache_keeps_stocks_mask(self):
+        first = turn(batch=4, left_pad=True, prompt_len=5, user_len=1, max_new_tokens=11, eos=None,
+                     criteria=[{"kind": "raise", "at": 10}])
+        second = turn(batch=4, prompt_len=2, user_len=3, max_new_tokens=6, eos=None, output_scores=False)
+        self.assert_as_stock(scenario("user_static", [first, second], seed=986, room="roomy"))
+
+    # --- F5 (beyond the issue, fuzzer on an H100): bad words that are all EOS ids leave stock's processor with no
+    # sequence; the loop's device form took the longest of none and raised
+    def test_bad_words_that_are_all_eos_ids(self):
+        only = turn(batch=1, prompt_len=2, user_len=2, max_new_tokens=3, eos=[4, 5],
+                    config_procs={"bad_words_ids": [[4]]}, output_scores=False, output_logits=False)
+        self.assert_as_stock(scenario("returned_static", [only], seed=327))
+
     # --- F2 (beyond the issue): on 4.57.6 stock takes the ids' length as the total, so new tokens only leave an
     # empty cache_position; stock raises IndexError from its own code, the flag must raise the same (5.x: both run)
     def test_an_input_whose_every_token_is_cached_raises_as_stock(self):

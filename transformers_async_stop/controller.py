@@ -264,6 +264,12 @@ class AsyncStop:
             self.room, self._cache_end_copy = room, (pinned, event)
         return True
 
+    def cache_end(self) -> int | None:
+        """Where the first decode step's forward writes, on the host (None where the cache grows, or is not known)."""
+        if self._cache_end is None and self._cache_end_copy is None:
+            return None
+        return self._end_of_cache()
+
     def _end_of_cache(self) -> int:
         """Where the first decode step's forward writes (positions the cache held after the prefill)."""
         if self._cache_end is None:

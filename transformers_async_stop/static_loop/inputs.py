@@ -42,9 +42,10 @@ class StepInputs:
             self.padding = padding[:, None, None, :]
 
     @classmethod
-    def build(cls, model, input_ids, model_kwargs, cache) -> tuple[dict, "StepInputs | None"]:
+    def build(cls, model, input_ids, model_kwargs, cache, cache_end) -> tuple[dict, "StepInputs | None"]:
         """The first decode step's inputs, from stock's `prepare_inputs_for_generation`, and the `StepInputs` that
-        advances them (None: they are rebuilt by stock every step)."""
+        advances them (None: they are rebuilt by stock every step). `cache_end`: the cache position this step's
+        forward writes (the controller's host copy of the cache's counter after the prefill), or None."""
         plan = static_mask._plan_of(cache)
         if plan is not None:
             plan.last = None
@@ -68,6 +69,13 @@ class StepInputs:
                 return inputs, None
             offset = cache.get_query_offset(0)
             if not isinstance(offset, torch.Tensor):
+                return inputs, None
+            # stock pads the 2D mask with zeros past its own width, which grows one column per step: the ones the
+            # advanced mask assumes there line up with the cache's positions only where the mask's last column is
+            # the position this step writes (a multi-turn caller may feed a conversation shorter than the cache)
+            mask2d = model_kwargs.get("attention_mask")
+            if plan.padding is not None and (cache_end is None or mask2d is None
+                                             or cache_end != mask2d.shape[-1] - 1):
                 return inputs, None
         else:
             plan, offset = None, None

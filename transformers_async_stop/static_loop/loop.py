@@ -82,7 +82,8 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
                     break
                 if first:
                     first = False
-                    model_inputs, step_inputs = StepInputs.build(model, prefix(seq, length), model_kwargs, cache)
+                    model_inputs, step_inputs = StepInputs.build(model, prefix(seq, length), model_kwargs, cache,
+                                                                   ctl.cache_end())
                     tail.inputs = step_inputs
                 elif step_inputs is None:
                     model_inputs = None

@@ -333,7 +333,7 @@ class LastTokens(_Form):
 
     def __init__(self, processor):
         super().__init__(processor)
-        self.longest = max(len(ids) for ids in processor.sequence_bias)
+        self.longest = max((len(ids) for ids in processor.sequence_bias), default=0)  # bad words that were all EOS
         self.offsets = {}
 
     def phase(self, length):
