@@ -384,25 +384,25 @@ SHORTCUTS: tuple[Shortcut, ...] = (
         "static_loop.processors.RepetitionPenalty",
         why="a gather and a scatter over the whole growing sequence every step, which no CUDA graph can replay: a "
             "device 'tokens seen' state updated by the tail",
-        present="5.17+",
+        present="4.57+",  # the source is 4.57.6's until 5.17 (the static loop that uses it runs from 5.17)
     ),
     Shortcut(
         "static loop encoder repetition penalty", (f"{_LP}:EncoderRepetitionPenaltyLogitsProcessor.__call__",),
         {f"{_LP}:EncoderRepetitionPenaltyLogitsProcessor.__call__": {
-            "689734137f7d": "5.17.0-5.18.0", "89292f2761ee": "5.19.0-5.22.2", "4fb22b9fe793": "5.23.0"}},
+            "689734137f7d": "4.57.6-5.18.0", "89292f2761ee": "5.19.0-5.22.2", "4fb22b9fe793": "5.23.0"}},
         "static_loop.eligibility._builtin_graph_safe",
         why="reads only its own ids and penalty: captured as it is, under a guard",
-        present="5.17+",
+        present="4.57+",  # the source is 4.57.6's until 5.18
     ),
     Shortcut(
         "static loop no repeat ngram", (f"{_LP}:NoRepeatNGramLogitsProcessor.__call__",),
         # two variants of `processors.NoRepeatNGram` (`_NGRAM`): 5.18+ clamp ids past the vocabulary
         {f"{_LP}:NoRepeatNGramLogitsProcessor.__call__": {
-            "9bfab15ed81f": "5.17.0", "9a61f49a39f4": "5.18.0-5.22.2", "dd416ba08a20": "5.23.0"}},
+            "9bfab15ed81f": "5.15.1-5.17.0", "9a61f49a39f4": "5.18.0-5.22.2", "dd416ba08a20": "5.23.0"}},
         "static_loop.processors.NoRepeatNGram",
         why="windows over the whole growing sequence every step: the same windows over the sequence buffer, "
             "counted up to the device-side length",
-        present="5.17+",
+        present="5.15+",  # 5.15.1's source (the static loop that uses it runs from 5.17)
     ),
     Shortcut(
         "static loop sequence bias", (f"{_LP}:SequenceBiasLogitsProcessor.__call__",),
