@@ -48,7 +48,8 @@ nox.options.reuse_existing_virtualenvs = True
 @nox.parametrize("transformers", TRANSFORMERS)
 def tests(session, transformers):
     session.install("--no-compile", f"torch=={TORCH}")
-    session.install("--no-compile", f"transformers=={transformers}", *TEST_DEPS)
+    # matplotlib: the benchmark's chart is tested on the full-suite releases (the `[bench]` extra)
+    session.install("--no-compile", f"transformers=={transformers}", *TEST_DEPS, "matplotlib")
     session.install("--no-deps", "-e", ".")
     session.run("python", *PYTEST, "tests", *session.posargs, env=TEST_ENV)
 
