@@ -63,7 +63,6 @@ def patched_beam_search(original, target):
         # cannot give a step back turns the controller synchronous (stock's reads, one warning)
         ctl = state.ctl = AsyncStop(input_ids, generation_config.max_length, done_when="running",
                                     cache_returned=returned)
-        ctl.first_position = model_kwargs.get("cache_position")  # 4.57-5.3: where the prefill writes
         try:
             outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
                                ExtraStepCriteria(stopping_criteria, ctl), generation_config,

@@ -88,10 +88,10 @@ def rollback_one_step(cache, position) -> None:
         layer.values.index_fill_(layer.values.dim() - 2, slot, 0)
 
 
-def cache_end(cache, first_position):
+def cache_end(cache, next_position):
     """Where the forward after the prefill writes, as the cache itself counts: the first full static layer's device
-    counter (a one-element view), or, for layers that write where `cache_position` says, one past the prefill's
-    last cache position. None where neither is known."""
+    counter (a one-element view), or, for layers that write where `cache_position` says, the first decode step's
+    `cache_position` (`next_position`). None where neither is known."""
     layers, _ = _layers(cache)
     for layer in layers or ():
         if _is_static_full(layer):
@@ -101,8 +101,8 @@ def cache_end(cache, first_position):
             if isinstance(counter, int):
                 return counter
             break
-    if isinstance(first_position, torch.Tensor) and first_position.numel():
-        return first_position[-1:] + 1
+    if isinstance(next_position, torch.Tensor) and next_position.numel() == 1:
+        return next_position
     return None
 
 

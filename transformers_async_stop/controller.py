@@ -105,9 +105,9 @@ class AsyncStop:
         self.extra = False  # the step running now is the one the flag-off run never made
         self.overran = False  # an exception left the loop after a step stock never reached had run its forward
         self.room = None  # positions a fixed-size cache can hold
-        # 4.57-5.3 static layers write where `cache_position` says: the prefill's positions (the loop's
-        # `cache_position` when it starts), from which the extra step's position follows
-        self.first_position = None
+        # 4.57-5.3 static layers write where `cache_position` says: the first decode step's (the loop's kwargs
+        # after the prefill, a one-element device tensor), from which the extra step's position follows
+        self.next_position = None
         self._cache_end = None  # host int: where the first decode forward writes (the cache's end after the prefill)
         self._cache_end_copy = None  # (pinned tensor, event) until it is read
         self.synchronous = False  # read each verdict at once (a returned cache that cannot give a step back)
@@ -248,7 +248,7 @@ class AsyncStop:
         room = capacity(cache)
         if room is None:
             return True
-        end = cache_end(cache, self.first_position)
+        end = cache_end(cache, self.next_position)
         if end is None:
             # nowhere to tell how full it is: never risk a forward past its end
             self.synchronous = True
@@ -318,11 +318,11 @@ class AsyncStop:
 
     def extra_position(self):
         """The cache position the extra step's forward wrote, for layers that write where `cache_position` says
-        (a one-element device tensor: the prefill's last position plus one per step after it), or None. Layers with
-        their own counter need none (`cache_rollback.rollback_one_step`)."""
-        first = self.first_position
-        if isinstance(first, torch.Tensor) and first.numel():
-            return first[-1:] + self.steps
+        (a one-element device tensor: the first decode step's position plus one per step after it), or None. Layers
+        with their own counter need none (`cache_rollback.rollback_one_step`)."""
+        first = self.next_position
+        if isinstance(first, torch.Tensor) and first.numel() == 1:
+            return first + (self.steps - 1)
         return None
 
     def warn_host_verdict(self, criteria) -> None:

@@ -134,7 +134,6 @@ def patched_sample(original, target):
             streamer=streamer if route_a else None,
             cache_returned=cache_is_returned(generation_config, model_kwargs), route_a=route_a,
         )
-        ctl.first_position = model_kwargs.get("cache_position")  # 4.57-5.3: where the prefill writes
         if synced_gpus:
             ctl.peers = PeerVerdict(input_ids.device)
         if draft is not None:

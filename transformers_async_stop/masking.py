@@ -129,6 +129,11 @@ def patched_update_model_kwargs(original, target):
         if ctl is not None and not ctl.planned:
             ctl.planned = True  # after the first forward: the loop's cache exists now
             cache = loop_cache(updated)
+            # 4.57-5.3 create `cache_position` inside the decoding method: after the prefill's update it is where the
+            # first decode step writes (a static layer of those releases writes there)
+            position = updated.get("cache_position")
+            if isinstance(position, torch.Tensor) and position.numel() == 1:
+                ctl.next_position = position
             ctl.see_cache(cache)
             if cache is not None and static_mask.register(self, cache, ctl.device):
                 ctl.cleanups.append(lambda: static_mask.release(cache))
