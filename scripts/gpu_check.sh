@@ -10,6 +10,10 @@
 #   multi     on two GPUs: device_map, tensor parallel, synced_gpus over NCCL
 #   fuzz      the differential fuzz on CUDA (TAS_FUZZ_DRAWS draws, default 200)
 #   usage     the usage fuzzer on CUDA (scripts/usage_fuzz.py, USAGE_DRAWS scenarios, default 1000)
+#   threads   tests/test_thread_streams.py on this tree, and (where .old/ holds an earlier copy of the package, made
+#             with `git archive <commit> transformers_async_stop | tar -x -C .old`) on that copy: it should fail there
+#   targets   issue 17's ratios side by side (scripts/issue17_targets.py) and generate()'s own host time per
+#             dynamic-cache step outside the forward (scripts/host_profile.py --outside-forward)
 #   all       tests,overhead,bench
 # Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, PROFILE_VARIANTS,
 # BENCH_TRACE=1.
@@ -59,6 +63,24 @@ for tag in ${VERSIONS:-t523}; do
     timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_assisted.py -k Cuda \
       > "$out/assisted_$ver.txt" 2>&1
     grep -E "CUDA syncs|passed|failed|Error|error" "$out/assisted_$ver.txt" | tail -20
+  fi
+  if has threads; then
+    if [ -d .old/transformers_async_stop ]; then
+      echo "--- the thread-stream test on the earlier copy in .old/ ($(cat .old/COMMIT 2>/dev/null))"
+      # run from .old/: `python -m` puts the working directory first on sys.path, so the old package is imported
+      (cd .old && PYTHONPATH="$dir" timeout 200 python3 -m pytest -q -p no:cacheprovider \
+        ../tests/test_thread_streams.py -s) > "$out/threads_old_$ver.txt" 2>&1
+      grep -E "passed|failed|differ" "$out/threads_old_$ver.txt" | tail -5
+    fi
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_thread_streams.py > "$out/threads_$ver.txt" 2>&1
+    grep -E "passed|failed|differ" "$out/threads_$ver.txt" | tail -5
+  fi
+  if has targets; then
+    timeout 240 python3 scripts/issue17_targets.py --reps "${TARGET_REPS:-15}" > "$out/targets_$ver.txt" 2>&1
+    tail -12 "$out/targets_$ver.txt"
+    timeout 240 python3 scripts/host_profile.py --cases tiny-eager-43089 --variants stock,async-deferred,async \
+      --outside-forward --top 12 > "$out/outside_forward_$ver.txt" 2>&1
+    grep -E "^===|^case|^tiny" "$out/outside_forward_$ver.txt" | tail -12
   fi
   if has profile; then
     mkdir -p "$out/prof_$ver"

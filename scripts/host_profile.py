@@ -282,6 +282,8 @@ def main():
     p.add_argument("--outside-forward", action="store_true",
                    help="also generate()'s own host time per step outside the model's forward (outside_forward)")
     args = p.parse_args()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     import torch._dynamo.config as dc
     dc.recompile_limit = 64
     summary = []

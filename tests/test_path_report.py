@@ -57,10 +57,17 @@ class LastPath(unittest.TestCase):
         self.assertEqual(path.method, "greedy")
         self.assertEqual(path.describe(), "stock: CPU")
 
-    def test_forced_greedy_reports_the_deferred_path(self):
+    def test_forced_greedy_reports_the_deferred_path_and_its_loop(self):
         _greedy(self.model, self.ids, self.mask, async_stopping_criteria=True)
-        self.assertEqual(last_path(), CallPath(path="deferred", reason=None, tail=None, graphs=0, method="greedy"))
-        self.assertEqual(last_path().describe(), "deferred")
+        loop = "dynamic" if LOOP_RELEASES else None  # the dynamic-cache loop is 5.17+ too
+        self.assertEqual(last_path(), CallPath(path="deferred", reason=None, tail=None, graphs=0, method="greedy",
+                                               loop=loop))
+        self.assertEqual(last_path().describe(), "deferred, dynamic loop" if loop else "deferred")
+
+    def test_a_call_the_dynamic_loop_does_not_take_reports_transformers_loop(self):
+        self.model.generate(self.ids, attention_mask=self.mask, max_new_tokens=4, pad_token_id=PAD,
+                            return_dict_in_generate=True, output_hidden_states=True, async_stopping_criteria=True)
+        self.assertEqual((last_path().describe(), last_path().loop), ("deferred", None))
 
     def test_forced_beam_search_reports_its_method(self):
         self.model.generate(self.ids, attention_mask=self.mask, max_new_tokens=4, num_beams=2, pad_token_id=PAD,
@@ -130,7 +137,8 @@ class Logger(unittest.TestCase):
             _greedy(model, ids, mask)  # does not ask: no line
             with mock.patch.dict(os.environ, {tas.FORCE_ENV: "0"}):
                 _greedy(model, ids, mask, async_stopping_criteria=True)
-        self.assertEqual(logs.output, ["INFO:transformers_async_stop:generate() [greedy]: deferred",
+        deferred = "deferred, dynamic loop" if LOOP_RELEASES else "deferred"
+        self.assertEqual(logs.output, [f"INFO:transformers_async_stop:generate() [greedy]: {deferred}",
                                        "INFO:transformers_async_stop:generate() [greedy]: stock: CPU"])
 
 
@@ -147,7 +155,7 @@ class OnCuda(unittest.TestCase):
 
     def test_greedy_with_a_dynamic_cache_is_deferred(self):
         _greedy(self.model, self.ids, self.mask, async_stopping_criteria=True)
-        self.assertEqual(last_path().describe(), "deferred")
+        self.assertEqual(last_path().describe(), "deferred, dynamic loop" if LOOP_RELEASES else "deferred")
 
     @unittest.skipUnless(LOOP_RELEASES, "the static-cache loop is taken on transformers 5.17+")
     def test_a_static_cache_takes_the_static_loop_with_its_tail_captured(self):

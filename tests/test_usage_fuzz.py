@@ -77,6 +77,7 @@ class DrawsCoverUsage(unittest.TestCase):
         self.assertEqual({p["kind"] for t in turns for p in t["processors"]} - {"graph_safe_liar"}, set(PROCESSORS))
         self.assertEqual({c["kind"] for t in turns for c in t["criteria"]}, set(CRITERIA))
         self.assertEqual({c["threads"]["mode"] for c in cases if "threads" in c}, {"one_model", "two_models"})
+        self.assertEqual({bool(c["threads"].get("hammer")) for c in cases if "threads" in c}, {True, False})
         self.assertEqual({c.get("flag_via") for c in cases}, {None, "generation_config", "model_config"})
         self.assertTrue(any(c.get("dtype") == "bfloat16" for c in cases))
         self.assertTrue(any(c["do_sample"] for c in cases) and not all(c["do_sample"] for c in cases))

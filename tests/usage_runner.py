@@ -12,8 +12,10 @@ a cache left wrong by one turn shows in the next. A turn where stock raises (oth
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import sys
 import threading
 
 import torch
@@ -283,6 +285,33 @@ def check(sc, device="cpu"):
     return "pass", ""
 
 
+@contextlib.contextmanager
+def _hammering(device, on):
+    """While the block runs (if `on`): a thread allocating and writing small long tensors on the default stream, the
+    interpreter switching threads as often as it can (memory freed too early is taken at once)."""
+    if not on:
+        yield
+        return
+    stop = threading.Event()
+
+    def hammer():
+        size = 1
+        while not stop.is_set():
+            torch.empty(size, dtype=torch.long, device=device).fill_(0)
+            size = size % 8 + 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    worker = threading.Thread(target=hammer)
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(interval)
+
+
 def check_threads(sc, device="cpu"):
     """Two scenarios at once in two threads, flag on, each equal to its own sequential stock run."""
     a = {k: v for k, v in sc.items() if k != "threads"}
@@ -305,10 +334,11 @@ def check_threads(sc, device="cpu"):
             errors[i] = f"{type(exc).__name__}: {exc}"
 
     threads = [threading.Thread(target=job, args=(0, a, 0)), threading.Thread(target=job, args=(1, b, seed_b))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    with _hammering(device, sc["threads"].get("hammer", False)):
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
     for i in (0, 1):
         if errors[i]:
             return "fail", f"thread {i} raised outside generate(): {errors[i]}"

@@ -9,7 +9,8 @@ change the batch (a new conversation, a new cache; or, as a user's mistake, the 
 prompt length, and brings its own EOS ids, length limits, output flags, streamer, logits processors and stopping
 criteria (usage_callbacks.py). A user StaticCache is sized around what the flag-off run needs (`room`: exactly, one
 more, one less, or roomy). `threads`: the scenario and a second one run at once in two threads (greedy), on one
-model or two. usage_runner.py runs a scenario; `shrink` makes a failing one minimal.
+model or two, half of the time with a third thread allocating and writing on the default stream (`hammer`).
+usage_runner.py runs a scenario; `shrink` makes a failing one minimal.
 """
 
 from __future__ import annotations
@@ -221,6 +222,11 @@ def draw(seed: int, device: str = "cpu") -> dict:
                     s["cache"] = "user_dynamic"
                     s.pop("room", None)
         sc["threads"] = {"mode": mode, "other": other}
+        if rng.random() < 0.5:
+            # a third thread allocates and writes small tensors on the default stream meanwhile, with the interpreter
+            # switching threads as often as it can: memory one thread frees while another stream still reads it is
+            # taken at once (the H100 fuzz found the deferred loop's first `unfinished_sequences` so)
+            sc["threads"]["hammer"] = True
     if "threads" in sc:
         for s in (sc, sc["threads"]["other"]):  # greedy only: the two threads share the global RNG
             s["do_sample"] = False

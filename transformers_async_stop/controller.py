@@ -115,6 +115,8 @@ class AsyncStop:
         self.planned = False  # the per-call plans that need the model and its cache were made (masking.py)
         self.kwargs_update = None  # the loop's lean `_update_model_kwargs_for_generation` (kwargs_update.py)
         self._on_side = False
+        self.side_ok = True  # the criteria may run on the side stream (`allow_side`)
+        self.side_checked = False
         self._pending = None  # the side stream's last event, not yet waited for by the main stream
         self._warned: set[str] = set()
         self.peers = None  # synced_gpus: the deferred all-reduce (peers.py)
@@ -123,9 +125,20 @@ class AsyncStop:
         self.cleanups = []  # run once by close(): per-call registrations made elsewhere (static_mask.py)
 
     # -- the side stream ---------------------------------------------------------------------------------------
+    def allow_side(self, carried: torch.Tensor | None) -> None:
+        """Before the first step's criteria: `carried` is the loop's first `unfinished_sequences` (made on the main
+        stream, read on the side one, then dropped by stock), or None where it is not known: then the criteria
+        stay on the main stream for the whole call (another thread could reuse its memory on the main stream before
+        the side stream read it)."""
+        self.side_checked = True
+        if carried is None:
+            self.side_ok = False
+        elif carried.is_cuda:
+            carried.record_stream(self.side)
+
     def to_side(self, input_ids: torch.Tensor, scores) -> None:
         """Run what follows (criteria, the `unfinished_sequences` update, the verdict copy) on the side stream."""
-        if not self.cuda or self._on_side:
+        if not self.cuda or self._on_side or not self.side_ok:
             return
         self._ready.record(self.main)
         self.side.wait_event(self._ready)
@@ -174,13 +187,9 @@ class AsyncStop:
             if self._on_side:
                 event.record(self.side)
                 self._to_main()
-                if self.steps == 0:
-                    # The first update read the loop's initial `unfinished_sequences`, made in the main stream's
-                    # pool: once the loop drops it the main stream may reuse that memory. Wait here, once; later
-                    # verdicts are made on the side stream (and `record_stream`ed for the main one).
-                    self.main.wait_event(event)
-                else:
-                    self._pending = event
+                # the main stream waits at the next step's processors (`join`); the first step's input
+                # `unfinished_sequences` was marked as used by the side stream (`allow_side`)
+                self._pending = event
             else:
                 event.record(self.main)
         self.steps += 1

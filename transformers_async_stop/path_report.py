@@ -20,6 +20,7 @@ from .call_state import CALL, compiling
 logger = logging.getLogger("transformers_async_stop")
 
 PATHS = ("stock", "immediate", "deferred", "static loop")
+LOOPS = (None, "dynamic")  # `CallPath.loop` of a deferred call
 SYNCHRONOUS = ": the device is synchronous"  # the reason's tail that describe() leaves out
 FLAG_OFF = "flag off"
 NO_LOOP = "no deferred loop for this decoding method"
@@ -37,7 +38,9 @@ class CallPath:
     - tail: the static loop's step tail, "eager" or "captured" (replayed from CUDA graphs); None elsewhere;
     - graphs: CUDA graphs captured during the call;
     - method: "greedy", "sample", "beam search", "beam sample", "assisted", "prompt lookup", or None when no
-      decoding method of the package's was reached.
+      decoding method of the package's was reached;
+    - loop: "dynamic" where a deferred call ran the package's dynamic-cache loop (inputs made from the previous
+      step's), None where it ran transformers' own decoding loop with the package's stop check.
     """
 
     path: str = "stock"
@@ -45,6 +48,7 @@ class CallPath:
     tail: str | None = None
     graphs: int = 0
     method: str | None = None
+    loop: str | None = None
 
     def describe(self) -> str:
         """One line: "deferred, static loop, tail captured (2 graphs)", "stock: CPU", "stock: flag off"."""
@@ -57,7 +61,7 @@ class CallPath:
             if self.graphs:
                 tail += f" ({self.graphs} graph{'s' if self.graphs != 1 else ''})"
             return f"deferred, static loop{tail}"
-        return "deferred"
+        return "deferred, dynamic loop" if self.loop == "dynamic" else "deferred"
 
 
 def _short(reason: str) -> str:
@@ -158,6 +162,14 @@ def deferred_loop(ctl) -> None:
     if report is not None and report.path == "deferred" and getattr(ctl, "synchronous", False):
         report.path = "immediate"
         report.reason = report.reason or "a returned cache that cannot give a step back"
+
+
+def dynamic_loop() -> None:
+    """The dynamic-cache loop runs this call's decoding (an assistant's draft loop is not reported: the assisted
+    call's report covers it)."""
+    report = _current()
+    if report is not None and report.path == "deferred":
+        report.loop = "dynamic"
 
 
 def static_loop(captured: bool, graphs: int) -> None:

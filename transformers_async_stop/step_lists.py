@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
 
 import torch
 from transformers.generation.logits_process import (
@@ -181,6 +182,8 @@ class SideStreamCriteria(_CallCriteria):
         if ctl.extra:
             # the step the flag-off run never made: all rows "done", whatever the criteria would say
             return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if ctl.steps == 0 and ctl.cuda and not ctl.side_checked:
+            ctl.allow_side(_loop_unfinished(sys._getframe(1), input_ids))
         ctl.to_side(input_ids, scores)
         if self._plan is None:
             return super().__call__(input_ids, scores, **kwargs)
@@ -188,6 +191,22 @@ class SideStreamCriteria(_CallCriteria):
         if is_done is None:
             is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         return is_done
+
+
+def _loop_unfinished(frame, input_ids):
+    """The `unfinished_sequences` of the stock `_sample` frame that called the criteria (every release from 4.57.6
+    to 5.23.0 spells the line `unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, scores)`),
+    or None where the caller is something else.
+
+    The first step's `&` reads that tensor on the side stream, and stock drops it as soon as the `&` is queued: made
+    on the main stream, its memory is then free for the next allocation on the main stream, by any thread, before
+    the side stream has read it. The controller marks it as used by the side stream (`AsyncStop.allow_side`); where it
+    cannot be found the criteria stay on the main stream for the call. Read once per call."""
+    found = frame.f_locals.get("unfinished_sequences") if frame.f_code.co_name == "_sample" else None
+    if (isinstance(found, torch.Tensor) and found.device == input_ids.device and found.dim() == 1
+            and found.shape[0] == input_ids.shape[0]):
+        return found
+    return None
 
 
 def fold_criteria(plan, length: int, input_ids_of, scores, ctl, kwargs):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import path_report
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
 from .inputs import DecodeInputs
@@ -29,6 +30,8 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
     """`_sample` for a call `plan_loop` accepted; `plan` holds its processors and criteria."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+    if not generation_config.is_assistant:
+        path_report.dynamic_loop()
     pad_token_id = generation_config._pad_token_tensor
     if pad_token_id is not None:
         pad_token_id = pad_token_id.to(input_ids.device)
