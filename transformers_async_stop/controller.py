@@ -187,9 +187,15 @@ class AsyncStop:
             if self._on_side:
                 event.record(self.side)
                 self._to_main()
-                # the main stream waits at the next step's processors (`join`); the first step's input
-                # `unfinished_sequences` was marked as used by the side stream (`allow_side`)
-                self._pending = event
+                if self.steps == 0:
+                    # The first update read the loop's initial `unfinished_sequences`, made in the main stream's
+                    # pool, which the loop has dropped: the main stream waits here, once, before this thread
+                    # allocates on it again. Another thread may allocate on it sooner; `allow_side` marked the
+                    # tensor as used by the side stream for that. Later verdicts are made on the side stream (and
+                    # `record_stream`ed for the main one).
+                    self.main.wait_event(event)
+                else:
+                    self._pending = event
             else:
                 event.record(self.main)
         self.steps += 1
