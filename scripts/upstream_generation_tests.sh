@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # transformers' own generation tests, taken at run time from a git copy of the upstream repository at tag v5.23.0
 # (never copied into this repository), run on unpatched transformers 5.23.0 and on 5.23.0 with the upstream series
-# (upstream/*.patch): the two must have the same outcomes. Local only (CI has no GitHub access).
+# (upstream/*.patch), with the flag off and on (every call, the deferred stop check taken on the CPU too): all three
+# must have the same outcomes. Local only (CI has no GitHub access).
 #
 #   bash scripts/upstream_generation_tests.sh GIT_DIR|TESTS_ROOT [pytest args...]
 #
@@ -59,22 +60,27 @@ if [[ ! -x $VENV/bin/python || "$(cat "$VENV/.installed" 2> /dev/null)" != "$wan
   echo "$wanted" > "$VENV/.installed"
 fi
 
-run() {  # $1: stock or patched; $2: its PYTHONPATH; the rest: extra pytest arguments
-  local name=$1 path=$2 started=$SECONDS
-  shift 2
+run() {  # $1: stock, patched or patched-flag-on; $2: its PYTHONPATH; $3: pytest's own options; the rest: extra pytest arguments
+  local name=$1 path=$2 own=$3 started=$SECONDS
+  shift 3
   step "$name: pytest" $FILES "$@"
   # -o addopts="": the repository's pyproject adds doctest options that do not apply to these files
-  (cd "$TESTS" && PYTHONPATH=$path HF_HUB_OFFLINE=1 "$VENV/bin/python" -m pytest -p no:cacheprovider -q -n 2 \
+  (cd "$TESTS" && PYTHONPATH=$path HF_HUB_OFFLINE=1 "$VENV/bin/python" -m pytest -p no:cacheprovider -q $own \
     -o addopts="" --junitxml="$WORK/generation-tests-$name.xml" $FILES "$@" > "$WORK/generation-tests-$name.log" 2>&1) ||
     true  # failures are compared below, test by test
+  grep -E "^upstream_flag_on_plugin" "$WORK/generation-tests-$name.log" || true
   tail -1 "$WORK/generation-tests-$name.log"
   echo "$name: $((SECONDS - started)) s"
 }
-run stock "" "$@"
-run patched "$PATCHED" "$@"
+run stock "" "-n 2" "$@"
+run patched "$PATCHED" "-n 2" "$@"
+# the series' flag on for every call, the deferred stop check on the CPU too (scripts/upstream_flag_on_plugin.py); one
+# process, so that the plugin's count of deferred calls covers every test
+run patched-flag-on "$PATCHED:$ROOT/scripts" "-p upstream_flag_on_plugin" "$@"
 
 step "stock vs patched, test by test"
-"$VENV/bin/python" - "$WORK/generation-tests-stock.xml" "$WORK/generation-tests-patched.xml" <<'EOF'
+"$VENV/bin/python" - "$WORK/generation-tests-stock.xml" "$WORK/generation-tests-patched.xml" \
+  "$WORK/generation-tests-patched-flag-on.xml" <<'EOF'
 import sys
 import xml.etree.ElementTree as ET
 
@@ -88,14 +94,18 @@ def outcomes(path):
     return result
 
 
-stock, patched = (outcomes(p) for p in sys.argv[1:3])
-for label, found in (("stock 5.23.0", stock), ("patched 5.23.0", patched)):
+stock, patched, flag_on = (outcomes(p) for p in sys.argv[1:4])
+changed = []
+for label, found in (("stock 5.23.0", stock), ("patched 5.23.0", patched), ("patched 5.23.0, flag on", flag_on)):
     counts = {k: sum(v == k for v in found.values()) for k in ("passed", "failure", "error", "skipped")}
     print(f"{label}: {len(found)} tests: {counts['passed']} passed, {counts['failure']} failed, "
           f"{counts['error']} errors, {counts['skipped']} skipped")
-changed = sorted(n for n in stock.keys() | patched.keys() if stock.get(n) != patched.get(n))
-for name in changed:
-    print(f"  {name}: stock {stock.get(name, 'absent')}, patched {patched.get(name, 'absent')}")
+    if found is stock:
+        continue
+    differ = sorted(n for n in stock.keys() | found.keys() if stock.get(n) != found.get(n))
+    for name in differ:
+        print(f"  {name}: stock {stock.get(name, 'absent')}, {label} {found.get(name, 'absent')}")
+    changed += differ
 print("same outcomes" if not changed else f"{len(changed)} tests differ")
 sys.exit(1 if changed else 0)
 EOF

@@ -247,7 +247,7 @@ class GraphSafety(unittest.TestCase):
             self.assertFalse(eligibility._is_graph_safe(Mine()))
             self.assertFalse(eligibility._is_graph_safe(Sub(0.7)))
             self.assertFalse(eligibility._is_graph_safe(RepetitionPenaltyLogitsProcessor(1.2)))
-        if LOOP_RELEASES:  # the penalty's device form is (`processors.py`)
+        if LOOP_RELEASES:  # the penalty's device form is (`processors/forms.py`)
             form = eligibility.forms.device_form(RepetitionPenaltyLogitsProcessor(1.2))
             self.assertIsNotNone(form)
             self.assertTrue(eligibility._is_graph_safe(form))
@@ -281,7 +281,7 @@ class CudaCapturedTail(unittest.TestCase):
             def __call__(self, input_ids, scores):
                 return scores.scatter_add(1, input_ids[:, -1:], torch.full_like(scores[:, :1], -1.0))
 
-        # declared, undeclared but proven pure (static_loop/purity.py), and impure
+        # declared, undeclared but proven pure (static_loop/purity/), and impure
         for processor, captured in ((graph_safe(Softmax()), True), (Softmax(), True), (LastTokenDown(), False)):
             kw = dict(max_new_tokens=12, pad_token_id=PAD, cache_implementation="static", disable_compile=True,
                       do_sample=True, logits_processor=LogitsProcessorList([processor]),

@@ -1,4 +1,4 @@
-"""The static-cache loop's logits processors (`static_loop/processors.py`, `tail.py`, `eligibility.py`), against
+"""The static-cache loop's logits processors (`static_loop/processors/`, `tail.py`, `eligibility.py`), against
 unpatched stock transformers, bit for bit:
 
 - the built-ins that read the sequence (repetition penalty, encoder repetition penalty, sequence bias, bad words,
@@ -31,6 +31,7 @@ from transformers import (
 
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, eos_ids_finishing_at, prompt, stock
 from transformers_async_stop.static_loop import eligibility, processors, tail
+from transformers_async_stop.verified import matches
 
 LOOP_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
 CUDA = torch.cuda.is_available()
@@ -109,7 +110,7 @@ def _kwargs(model, ids, mask, sampling, **extra):
 
 
 def _sequence_bias_forms() -> bool:
-    return LOOP_RELEASES and processors.matches("static loop sequence bias")
+    return LOOP_RELEASES and matches("static loop sequence bias")
 
 
 CASES = [

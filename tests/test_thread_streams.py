@@ -80,7 +80,7 @@ class TheFirstStepsInputIsFound(unittest.TestCase):
 
 
 @needs_cuda
-class ThreadsSharingTheMainStream(unittest.TestCase):
+class CudaThreadsSharingTheMainStream(unittest.TestCase):
     def test_a_thread_allocating_on_the_main_stream_cannot_finish_another_threads_rows(self):
         model = build("llama", device="cuda")
         ids, mask = prompt(batch=3, device="cuda")

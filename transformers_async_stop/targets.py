@@ -375,13 +375,13 @@ SHORTCUTS: tuple[Shortcut, ...] = (
             "the next token, position and mask are made from the previous step's",
         present="5.17+",
     ),
-    # --- processors the static-cache loop captures beyond "static decode loop" (static_loop/processors.py) ---
+    # --- processors the static-cache loop captures beyond "static decode loop" (static_loop/processors/) ---
     Shortcut(
         "static loop repetition penalty", (f"{_LP}:RepetitionPenaltyLogitsProcessor.__call__",),
-        # the three sources are three variants of `processors.RepetitionPenalty` (`_REPETITION`)
+        # the three sources are three variants of `processors.forms.RepetitionPenalty` (`_REPETITION`)
         {f"{_LP}:RepetitionPenaltyLogitsProcessor.__call__": {
             "35dcc5fc15b0": "4.57.6-5.17.0", "4f13000c1f61": "5.18.0-5.22.2", "0bf3c6d07642": "5.23.0"}},
-        "static_loop.processors.RepetitionPenalty",
+        "static_loop.processors.forms.RepetitionPenalty",
         why="a gather and a scatter over the whole growing sequence every step, which no CUDA graph can replay: a "
             "device 'tokens seen' state updated by the tail",
         present="4.57+",  # the source is 4.57.6's until 5.17 (the static loop that uses it runs from 5.17)
@@ -396,10 +396,10 @@ SHORTCUTS: tuple[Shortcut, ...] = (
     ),
     Shortcut(
         "static loop no repeat ngram", (f"{_LP}:NoRepeatNGramLogitsProcessor.__call__",),
-        # two variants of `processors.NoRepeatNGram` (`_NGRAM`): 5.18+ clamp ids past the vocabulary
+        # two variants of `processors.forms.NoRepeatNGram` (`_NGRAM`): 5.18+ clamp ids past the vocabulary
         {f"{_LP}:NoRepeatNGramLogitsProcessor.__call__": {
             "9bfab15ed81f": "5.15.1-5.17.0", "9a61f49a39f4": "5.18.0-5.22.2", "dd416ba08a20": "5.23.0"}},
-        "static_loop.processors.NoRepeatNGram",
+        "static_loop.processors.forms.NoRepeatNGram",
         why="windows over the whole growing sequence every step: the same windows over the sequence buffer, "
             "counted up to the device-side length",
         present="5.15+",  # 5.15.1's source (the static loop that uses it runs from 5.17)
@@ -408,7 +408,7 @@ SHORTCUTS: tuple[Shortcut, ...] = (
         "static loop sequence bias", (f"{_LP}:SequenceBiasLogitsProcessor.__call__",),
         # 5.17-5.22 build tensors from host lists at every step (`torch.tensor(sequence_ids)`): not capturable
         {f"{_LP}:SequenceBiasLogitsProcessor.__call__": {"661c3b65b180": "5.23.0"}},
-        "static_loop.processors.LastTokens",
+        "static_loop.processors.forms.LastTokens",
         why="reads the last tokens of a growing sequence: a window of the sequence buffer at the device length",
         present="5.23+",
     ),

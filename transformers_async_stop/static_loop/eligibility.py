@@ -10,7 +10,7 @@ this loop was read against (`targets.SHORTCUTS`: "static decode loop"). Every ot
 
 The tail is captured into CUDA graphs only when every logits processor is capturable: a built-in one known to be
 (temperature, top-k, top-p, min-p, the two minimum-length ones, encoder repetition penalty), a built-in that reads the
-sequence in its device form (`processors.py`: repetition penalty, sequence bias and bad words), one the user declared
+sequence in its device form (`processors/`: repetition penalty, no-repeat n-gram, sequence bias and bad words), one the user declared
 with `graph_safe()`, or one `purity.guard_for` gives a guard for (the hook below). Every captured processor but a
 declared one has a guard, checked before each capture and replay: a built-in's is a snapshot of its attributes
 (`processors.AttrGuard`), taken at the first capture.
@@ -94,7 +94,7 @@ class _PurityMaker:
 
 
 def _purity_guard(processor):
-    """The hook of `purity.py` (issue 17 item 1, capture of undeclared user processors).
+    """The hook of `purity/` (the capture of undeclared user processors).
 
     `purity.guard_for(processor)` returns a guard, or None where the processor is not capturable. It is called once
     per call, here, at planning. If the guard has `observe(input_ids, scores)`, the tail calls that instead of the
@@ -122,7 +122,7 @@ class LoopPlan:
 
     processors: list  # callables (input_ids, scores) -> scores, in order
     phased: list  # the `_EosMask`s among them: their one host decision depends on the length
-    forms: list  # the device forms among them (`processors.py`): bound to the tail's sequence buffer
+    forms: list  # the device forms among them (`processors/forms.py`): bound to the tail's sequence buffer
     pure: bool  # every processor is capturable: one logits buffer and a view of the sequence serve every step
     guards: list  # per capturable processor but a declared one: a maker of its guard (`_guard_maker`)
     observed: list  # (index, guard) of the processors `purity` judges on their first call (`Tail._observe`)

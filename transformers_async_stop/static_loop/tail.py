@@ -8,7 +8,7 @@ copy and `stop_check`) and `EosTokenCriteria.__call__`. Differences, same values
   criterion, through `sequence`/`settle`) is written back into the sequence buffer, since in stock it *is* the
   sequence the next step appends to;
 - the new token is written into a preallocated sequence at a device-side length (stock: `torch.cat`); processors
-  that read the sequence run in a form that reads this buffer or keeps a device state (`processors.py`);
+  that read the sequence run in a form that reads this buffer or keeps a device state (`processors/forms.py`);
 - an exact `EosTokenCriteria` compares the new token with the EOS ids (stock: `isin` on `input_ids[:, -1]`, the
   same token), updating `unfinished_sequences` in place;
 - the next step's inputs are advanced in place (`inputs.StepInputs`).
