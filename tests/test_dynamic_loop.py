@@ -17,9 +17,9 @@ from unittest import mock
 import pytest
 import torch
 from parameterized import parameterized
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 
+from loop_callbacks import Collect, LoopContract, Recorder, StopAfterRepeat, loop_kwargs
 from models import (
     PAD,
     TRANSFORMERS_VERSION,
@@ -99,46 +99,6 @@ def _describe(tensor):
     return tensor.detach().clone(), tensor.dtype, tuple(tensor.shape), tensor.stride()
 
 
-def _kwargs(model, ids, mask, sampling, finishing=(3, 5, None)):
-    kw = dict(max_new_tokens=10, min_new_tokens=2, pad_token_id=PAD,
-              eos_token_id=eos_ids_finishing_at(model, ids, mask, list(finishing)), return_dict_in_generate=True,
-              output_scores=True, output_logits=True)
-    if sampling:
-        kw.update(do_sample=True, top_k=12, top_p=0.9, temperature=0.8)
-    return kw
-
-
-class Recorder(LogitsProcessor):
-    """A processor that reads `input_ids` and records every call."""
-
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, input_ids, scores):
-        self.seen.append((input_ids.clone(), scores.clone()))
-        return scores - 0.01 * input_ids[:, -1:].float()
-
-
-class StopAfterRepeat(StoppingCriteria):
-    """A user criterion reading the whole sequence: a row stops once its last token already appeared in it."""
-
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.seen.append(input_ids.clone())
-        return (input_ids[:, :-1] == input_ids[:, -1:]).any(-1)
-
-
-class Collect(BaseStreamer):
-    def __init__(self):
-        self.chunks, self.ended = [], 0
-
-    def put(self, value):
-        self.chunks.append(value.clone())
-
-    def end(self):
-        self.ended += 1
 
 
 def stock_then_loop(test, run, taken=True):
@@ -155,7 +115,12 @@ def _flag(flag):
     return {} if flag is None else dict(async_stopping_criteria=flag)
 
 
-class DynamicLoopEqualsStock(unittest.TestCase):
+class DynamicLoopEqualsStock(LoopContract, unittest.TestCase):
+    LOOP_KWARGS = {}  # a DynamicCache: the default
+
+    def stock_then_loop(self, run):
+        return stock_then_loop(self, run)
+
     @parameterized.expand([(family, sampling, padded) for family in ("llama", "qwen2", "gpt2")
                            for sampling in (False, True) for padded in (False, True)])
     @pytest.mark.core
@@ -164,7 +129,7 @@ class DynamicLoopEqualsStock(unittest.TestCase):
         ids, mask = prompt(batch=3, left_pad=padded)
         with LoopSpy() as spy:
             assert_flag_matches_stock(self, model, ids, mask, torch.device("cpu"),
-                                      **_kwargs(model, ids, mask, sampling))
+                                      **loop_kwargs(model, ids, mask, sampling))
         self.assertEqual((spy.runs, spy.lean), (1, [True]) if TAKEN else (0, []))
 
     @parameterized.expand([("llama", False), ("llama", True), ("qwen2", True), ("gpt2", True)])
@@ -244,38 +209,6 @@ class DynamicLoopEqualsStock(unittest.TestCase):
         assert_same(self, ref, on)
 
     @pytest.mark.core
-    def test_user_processors_and_criteria_see_what_they_see_in_stock(self):
-        model = build("llama")
-        ids, mask = prompt(batch=3, left_pad=True)
-
-        def run(flag):
-            processor, criterion = Recorder(), StopAfterRepeat()
-            torch.manual_seed(0)
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=14, pad_token_id=PAD, eos_token_id=None,
-                                 do_sample=True, top_k=8, logits_processor=LogitsProcessorList([processor]),
-                                 stopping_criteria=StoppingCriteriaList([criterion]), **_flag(flag))
-            return out, processor.seen, criterion.seen
-
-        ref, on = stock_then_loop(self, run)
-        self.assertLess(ref[0].shape[1], ids.shape[1] + 14, "the criterion must stop the rows early")
-        assert_same(self, ref, on)
-
-    @pytest.mark.core
-    def test_a_streamer_gets_stocks_tokens(self):
-        model = build("llama")
-        ids, mask = prompt(batch=1)
-        eos = eos_ids_finishing_at(model, ids, mask, [4])
-
-        def run(flag):
-            streamer = Collect()
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos, pad_token_id=PAD,
-                                 streamer=streamer, **_flag(flag))
-            return out, streamer.chunks, streamer.ended
-
-        ref, on = stock_then_loop(self, run)
-        assert_same(self, ref, on)
-
-    @pytest.mark.core
     def test_inputs_embeds(self):
         model = build("llama")
         ids, mask = prompt(batch=2, left_pad=True)
@@ -293,7 +226,7 @@ class DynamicLoopEqualsStock(unittest.TestCase):
     def test_max_length_and_min_length_processors(self):
         model = build("qwen2")
         ids, mask = prompt(batch=3, left_pad=True)
-        kw = _kwargs(model, ids, mask, sampling=False, finishing=(2, 3, None))
+        kw = loop_kwargs(model, ids, mask, sampling=False, finishing=(2, 3, None))
         kw.update(min_length=ids.shape[1] + 4, max_new_tokens=9)
         with LoopSpy() as spy:
             assert_flag_matches_stock(self, model, ids, mask, torch.device("cpu"), **kw)
@@ -317,7 +250,7 @@ class DynamicLoopEqualsStock(unittest.TestCase):
     def test_a_release_whose_sources_were_not_checked_falls_back(self):
         model = build("llama")
         ids, mask = prompt(batch=2, left_pad=True)
-        kw = _kwargs(model, ids, mask, sampling=True, finishing=(3, None))
+        kw = loop_kwargs(model, ids, mask, sampling=True, finishing=(3, None))
         real = eligibility.matches
         with mock.patch.object(eligibility, "matches", lambda name: False if name == "dynamic decode loop"
                                else real(name)), LoopSpy() as spy:
@@ -358,7 +291,7 @@ class CudaDynamicLoop(unittest.TestCase):
         ids, mask = prompt(batch=3, left_pad=padded, device="cuda")
         with LoopSpy() as spy:
             assert_flag_matches_stock(self, model, ids, mask, torch.device("cuda"),
-                                      **_kwargs(model, ids, mask, sampling))
+                                      **loop_kwargs(model, ids, mask, sampling))
         self.assertEqual((spy.runs, spy.lean), (1, [True]))
 
     @parameterized.expand([("unpadded", False), ("padded", True)])

@@ -17,9 +17,9 @@ from unittest import mock
 import pytest
 import torch
 from parameterized import parameterized
-from transformers import LogitsProcessor, LogitsProcessorList, StaticCache, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers import LogitsProcessor, LogitsProcessorList, StaticCache, StoppingCriteriaList
 
+from loop_callbacks import Collect, LoopContract, Recorder, StopAfterRepeat, loop_kwargs
 from models import (
     PAD,
     TRANSFORMERS_VERSION,
@@ -77,46 +77,6 @@ class LoopSpy:
         self._stack.close()
 
 
-def _decode_kwargs(model, ids, mask, sampling, finishing=(3, 5, None)):
-    kw = dict(max_new_tokens=10, min_new_tokens=2, pad_token_id=PAD, cache_implementation="static",
-              eos_token_id=eos_ids_finishing_at(model, ids, mask, list(finishing)), return_dict_in_generate=True,
-              output_scores=True, output_logits=True)
-    if sampling:
-        kw.update(do_sample=True, top_k=12, top_p=0.9, temperature=0.8)
-    return kw
-
-
-class Recorder(LogitsProcessor):
-    """A processor that reads `input_ids` (so it is not graph-safe) and records every call."""
-
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, input_ids, scores):
-        self.seen.append((input_ids.clone(), scores.clone()))
-        return scores - 0.01 * input_ids[:, -1:].float()
-
-
-class StopAfterRepeat(StoppingCriteria):
-    """A user criterion reading the whole sequence: a row stops once its last token already appeared in it."""
-
-    def __init__(self):
-        self.seen = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.seen.append(input_ids.clone())
-        return (input_ids[:, :-1] == input_ids[:, -1:]).any(-1)
-
-
-class Collect(BaseStreamer):
-    def __init__(self):
-        self.chunks, self.ended = [], 0
-
-    def put(self, value):
-        self.chunks.append(value.clone())
-
-    def end(self):
-        self.ended += 1
 
 
 def stock_then_loop(test, run):
@@ -130,7 +90,12 @@ def stock_then_loop(test, run):
 
 
 @needs_loop
-class StaticLoopEqualsStock(unittest.TestCase):
+class StaticLoopEqualsStock(LoopContract, unittest.TestCase):
+    LOOP_KWARGS = {"cache_implementation": "static"}  # a static cache
+
+    def stock_then_loop(self, run):
+        return stock_then_loop(self, run)
+
     @parameterized.expand([(family, sampling, padded) for family in ("llama", "qwen2", "gpt2")
                            for sampling in (False, True) for padded in (False, True)])
     @pytest.mark.core
@@ -139,7 +104,7 @@ class StaticLoopEqualsStock(unittest.TestCase):
         ids, mask = prompt(batch=3, left_pad=padded)
         with LoopSpy() as spy:
             assert_flag_matches_stock(self, model, ids, mask, torch.device("cpu"),
-                                      **_decode_kwargs(model, ids, mask, sampling))
+                                      **loop_kwargs(model, ids, mask, sampling, cache_implementation="static"))
         self.assertEqual(spy.runs, 1)
         self.assertEqual(spy.in_place, [True])
 
@@ -162,47 +127,12 @@ class StaticLoopEqualsStock(unittest.TestCase):
         assert_same(self, ref_cache, on_cache)
 
     @pytest.mark.core
-    def test_user_processors_and_criteria_see_what_they_see_in_stock(self):
-        model = build("llama")
-        ids, mask = prompt(batch=3, left_pad=True)
-
-        def run(flag):
-            processor, criterion = Recorder(), StopAfterRepeat()
-            kw = {} if flag is None else dict(async_stopping_criteria=flag)
-            torch.manual_seed(0)
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=14, pad_token_id=PAD, eos_token_id=None,
-                                 cache_implementation="static", do_sample=True, top_k=8,
-                                 logits_processor=LogitsProcessorList([processor]),
-                                 stopping_criteria=StoppingCriteriaList([criterion]), **kw)
-            return out, processor.seen, criterion.seen
-
-        ref, on = stock_then_loop(self, run)
-        self.assertLess(ref[0].shape[1], ids.shape[1] + 14, "the criterion must stop the rows early")
-        assert_same(self, ref, on)
-
-    @pytest.mark.core
-    def test_a_streamer_gets_stocks_tokens(self):
-        model = build("llama")
-        ids, mask = prompt(batch=1)
-        eos = eos_ids_finishing_at(model, ids, mask, [4])
-
-        def run(flag):
-            streamer = Collect()
-            kw = {} if flag is None else dict(async_stopping_criteria=flag)
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=10, eos_token_id=eos, pad_token_id=PAD,
-                                 cache_implementation="static", streamer=streamer, **kw)
-            return out, streamer.chunks, streamer.ended
-
-        ref, on = stock_then_loop(self, run)
-        assert_same(self, ref, on)
-
-    @pytest.mark.core
     def test_inputs_the_loop_cannot_advance_are_rebuilt_by_stock_every_step(self):
         model = build("llama", attn="eager")  # no mask plan for eager attention: stock builds every step's mask
         ids, mask = prompt(batch=3, left_pad=True)
         with LoopSpy() as spy:
             assert_flag_matches_stock(self, model, ids, mask, torch.device("cpu"),
-                                      **_decode_kwargs(model, ids, mask, sampling=True))
+                                      **loop_kwargs(model, ids, mask, sampling=True, cache_implementation="static"))
         self.assertEqual((spy.runs, spy.in_place), (1, [False]))
 
     @parameterized.expand([
@@ -261,7 +191,8 @@ class CudaCapturedTail(unittest.TestCase):
     def test_the_captured_tail_equals_stock(self, sampling, padded, compiled):
         model = build("llama", device="cuda")
         ids, mask = prompt(batch=1 if compiled else 3, left_pad=padded, device="cuda")
-        kw = _decode_kwargs(model, ids, mask, sampling, finishing=(5,) if compiled else (3, 5, None))
+        kw = loop_kwargs(model, ids, mask, sampling, finishing=(5,) if compiled else (3, 5, None),
+                         cache_implementation="static")
         if not compiled:
             kw.update(disable_compile=True)
         with LoopSpy() as spy:

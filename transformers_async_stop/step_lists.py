@@ -83,6 +83,18 @@ def _plan_processor(processor):
     return processor, tuple(names[2:]) if len(names) > 2 else None
 
 
+def plan_processors(logits_processor) -> list | None:
+    """The call's processors as the package's loops call them (`_plan_processor`: `(input_ids, scores) -> scores`),
+    or None where one needs keyword arguments (stock raises for it: the deferred path runs, and raises the same)."""
+    planned = []
+    for processor in logits_processor:
+        callable_, extra = _plan_processor(processor)
+        if extra:
+            return None
+        planned.append(callable_)
+    return planned
+
+
 class JoiningLogitsProcessors(LogitsProcessorList):
     """The call's logits processors. First, the host reads the previous step's verdict: in the extra step no
     processor runs.

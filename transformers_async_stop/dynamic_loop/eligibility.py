@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ..step_lists import _plan_criterion, _plan_processor
+from ..step_lists import _plan_criterion, plan_processors
 from ..verified import matches
 
 DYNAMIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP"
@@ -74,12 +74,9 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
             and matches("StoppingCriteriaList.__call__")):
         return None
 
-    processors = []
-    for processor in logits_processor:
-        planned, extra = _plan_processor(processor)
-        if extra:
-            return None  # stock raises for a processor that needs keyword arguments: the deferred path does too
-        processors.append(planned)
+    processors = plan_processors(logits_processor)
+    if processors is None:
+        return None
     rdig = generation_config.return_dict_in_generate
     return DynamicPlan(
         processors=processors, criteria=[(c, _plan_criterion(c)) for c in stopping_criteria],

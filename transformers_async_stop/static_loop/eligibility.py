@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from ..step_lists import _EosMask, _plan_criterion, _plan_processor
+from ..step_lists import _EosMask, _plan_criterion, plan_processors
 from ..verified import matches
 from . import processors as forms
 
@@ -170,12 +170,10 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
             and matches("StoppingCriteriaList.__call__")):
         return None
 
-    processors = []
-    for processor in logits_processor:
-        planned, extra = _plan_processor(processor)
-        if extra:
-            return None  # stock raises for a processor that needs keyword arguments: the deferred path does too
-        processors.append(forms.device_form(planned) or planned)
+    planned = plan_processors(logits_processor)
+    if planned is None:
+        return None
+    processors = [forms.device_form(p) or p for p in planned]
     makers = [_guard_maker(p) for p in processors]
     pure = all(make is not None for make in makers)
     observed = [(index, make.purity) for index, make in enumerate(makers)
