@@ -176,7 +176,8 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
             kwargs["cache_implementation"] = "static"
         if device != "cpu" and "static" in sc["cache"] and not sc.get("compile"):
             kwargs["disable_compile"] = True
-        if turn["cache_position"]:
+        if turn["cache_position"] and past <= conv.shape[1]:
+            # (after a turn that raised, the cache can hold more than the conversation: nothing to give then)
             kwargs["cache_position"] = torch.arange(past, conv.shape[1], device=device)
         ctx = Context(model, judge)
         eos_list = None if eos is None else [2] if eos == "config" else eos

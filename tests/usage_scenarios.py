@@ -214,8 +214,13 @@ def draw(seed: int, device: str = "cpu") -> dict:
             if "dtype" in sc:
                 other["dtype"] = sc["dtype"]
             # generate() keeps the static cache it builds on the model (`_cache`): two threads on one model each
-            # pass their own cache (stock itself shares that one)
+            # pass their own cache (stock itself shares that one). Per-step hidden states and attentions are
+            # recorded by hooks on the shared model's modules in 4.57.6: stock itself mixes the two threads' (seen:
+            # a thread's hidden states with the other thread's batch), so neither thread asks for them
             for s in (sc, other):
+                for turn in s["turns"]:
+                    turn.pop("output_hidden_states", None)
+                    turn.pop("output_attentions", None)
                 if s["cache"] in ("returned_static", "config_static"):
                     s["cache"], s["room"] = "user_static", "roomy"
                 if family not in STATIC_FAMILIES and "static" in s["cache"]:
