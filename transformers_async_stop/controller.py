@@ -116,7 +116,6 @@ class AsyncStop:
         self.kwargs_update = None  # the loop's lean `_update_model_kwargs_for_generation` (kwargs_update.py)
         self._on_side = False
         self.side_ok = True  # the criteria may run on the side stream (`allow_side`)
-        self.side_checked = False
         self._pending = None  # the side stream's last event, not yet waited for by the main stream
         self._warned: set[str] = set()
         self.peers = None  # synced_gpus: the deferred all-reduce (peers.py)
@@ -130,7 +129,6 @@ class AsyncStop:
         stream, read on the side one, then dropped by stock), or None where it is not known: then the criteria
         stay on the main stream for the whole call (another thread could reuse its memory on the main stream before
         the side stream read it)."""
-        self.side_checked = True
         if carried is None:
             self.side_ok = False
         elif carried.is_cuda:

@@ -20,7 +20,6 @@ from .call_state import CALL, compiling
 logger = logging.getLogger("transformers_async_stop")
 
 PATHS = ("stock", "immediate", "deferred", "static loop")
-LOOPS = (None, "dynamic")  # `CallPath.loop` of a deferred call
 SYNCHRONOUS = ": the device is synchronous"  # the reason's tail that describe() leaves out
 FLAG_OFF = "flag off"
 NO_LOOP = "no deferred loop for this decoding method"

@@ -194,7 +194,7 @@ class SideStreamCriteria(_CallCriteria):
         if ctl.extra:
             # the step the flag-off run never made: all rows "done", whatever the criteria would say
             return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        if ctl.steps == 0 and ctl.cuda and not ctl.side_checked:
+        if ctl.steps == 0 and ctl.cuda:  # the first step's criteria: called once, before its verdict is recorded
             ctl.allow_side(_loop_unfinished(sys._getframe(1), input_ids))
         ctl.to_side(input_ids, scores)
         if self._plan is None:
