@@ -37,7 +37,7 @@ site() {  # the carried wheels of one transformers release, in a folder of their
   echo "$dir"
 }
 
-NEW_CUDA="tests/test_capture_safety.py tests/test_static_processors.py tests/test_purity.py tests/test_dynamic_loop.py tests/test_thread_streams.py
+NEW_CUDA="tests/test_capture_safety.py tests/test_static_processors.py tests/test_purity.py tests/test_dynamic_loop.py tests/test_dynamic_mask.py tests/test_thread_streams.py
  tests/test_usage_holes.py"
 NEW_CUDA=$(for f in $NEW_CUDA; do [ -f "$f" ] && echo "$f"; done)
 

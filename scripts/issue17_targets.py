@@ -5,7 +5,9 @@
 One tiny Llama (the issue's), batch 1, greedy. Configurations, each a `generate()` call:
 - static cache: stock; the flag with the issue's processor and criterion as written (nothing declared); the flag
   with the same processor declared `graph_safe()` (what the README asked users to do);
-- DynamicCache (the issue's default): stock; the flag.
+- DynamicCache (the issue's default): stock; the flag;
+- DynamicCache, a left-padded batch of 8 (the model builds a 4D mask every step; the flag grows it instead,
+  `dynamic_loop/wide_mask.py`): stock; the flag.
 Each rep runs every configuration once, in a rotated order, so that drift of the machine hits all of them alike. Per
 configuration: whole-call ms/token (an N-token call over N) and ms per decode step ((t_N - t_1) / (N - 1): prefill
 and per-call set-up removed); per rep the ratios are taken within that rep (paired), and their medians reported
@@ -46,23 +48,27 @@ def declared(run, model):
             "logits_processor": LogitsProcessorList([processor])}
 
 
-CONFIGS = {  # name: (variant, static cache, extras)
-    "static stock": ("stock", True, issue_43089_as_written),
-    "static flag, as written": ("async", True, issue_43089_as_written),
-    "static flag, declared": ("async", True, declared),
-    "dynamic stock": ("stock", False, issue_43089_as_written),
-    "dynamic flag": ("async", False, issue_43089_as_written),
+CONFIGS = {  # name: (variant, static cache, extras, padded batch of 8)
+    "static stock": ("stock", True, issue_43089_as_written, False),
+    "static flag, as written": ("async", True, issue_43089_as_written, False),
+    "static flag, declared": ("async", True, declared, False),
+    "dynamic stock": ("stock", False, issue_43089_as_written, False),
+    "dynamic flag": ("async", False, issue_43089_as_written, False),
+    "dynamic padded b8 stock": ("stock", False, issue_43089_as_written, True),
+    "dynamic padded b8 flag": ("async", False, issue_43089_as_written, True),
 }
 RATIOS = (  # (label, numerator, denominator)
     ("static: as written / declared (target <= 1.2)", "static flag, as written", "static flag, declared"),
     ("static: as written / stock", "static flag, as written", "static stock"),
     ("dynamic: flag / stock (target <= 0.6)", "dynamic flag", "dynamic stock"),
+    ("dynamic, padded batch of 8: flag / stock", "dynamic padded b8 flag", "dynamic padded b8 stock"),
 )
 
 
-def call(model, ids, name, n):
-    which, static, extras = CONFIGS[name]
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+def call(model, prompts, name, n):
+    which, static, extras, padded = CONFIGS[name]
+    ids, mask = prompts[padded]
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
               do_sample=False, pad_token_id=0, **extras(None, model))
     if static:
         kw["cache_implementation"] = "static"
@@ -90,6 +96,11 @@ def main():
     with torch.device(DEV):
         model = AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.float32).eval()
     ids = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(1)).to(DEV)
+    batch = torch.randint(3, 200, (8, 8), generator=torch.Generator().manual_seed(1)).to(DEV)
+    left_padded = torch.ones_like(batch)
+    for row in range(0, 8, 2):  # every other row left-padded by 1-4 positions
+        left_padded[row, : 1 + row // 2] = 0
+    ids = {False: (ids, torch.ones_like(ids)), True: (batch, left_padded)}
     names, n = list(CONFIGS), args.tokens
     paths = {}
     for name in names:  # warm-up: compile, captures, allocator pools
@@ -106,7 +117,7 @@ def main():
             whole[name].append(t_n / n * 1e3)
             step[name].append((t_n - t_1) / (n - 1) * 1e3)
     print(f"device {torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"transformers {__import__('transformers').__version__}, {args.reps} reps, {n} tokens, batch 1, greedy")
+          f"transformers {__import__('transformers').__version__}, {args.reps} reps, {n} tokens, batch 1 (padded: 8), greedy")
     print(f"{'configuration':26s} {'whole call ms/token':>24s} {'per decode step ms':>24s}  path")
     for name in names:
         print(f"{name:26s} {quartiles(whole[name]):>24s} {quartiles(step[name]):>24s}  {paths[name]}")

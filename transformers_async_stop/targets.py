@@ -375,6 +375,67 @@ SHORTCUTS: tuple[Shortcut, ...] = (
             "the next token, position and mask are made from the previous step's",
         present="5.17+",
     ),
+    Shortcut(
+        "dynamic decode mask",
+        tuple(f"{_MASK}:{name}" for name in (
+            "create_causal_mask", "_preprocess_mask_arguments", "sdpa_mask", "prepare_padding_mask",
+            "padding_mask_function", "causal_mask_function", "and_masks", "_non_vmap_expansion_sdpa"))
+        + tuple(f"{_CU}:{name}" for name in (
+            "Cache.get_mask_sizes", "Cache.get_query_offset", "Cache.get_seq_length", "DynamicLayer.get_mask_sizes",
+            "DynamicLayer.get_seq_length")),
+        {
+            f"{_MASK}:create_causal_mask": {
+                "08e44eae3326": "5.17.0-5.19.0", "bd4450cc85d6": "5.20.2-5.22.2", "341ee68974b1": "5.23.0"},
+            f"{_MASK}:_preprocess_mask_arguments": {"df23eb733c6e": "5.14.1-5.23.0"},
+            f"{_MASK}:sdpa_mask": {
+                "acbbdd247878": "5.15.1-5.18.0", "2a073d7981cd": "5.19.0", "a30991b130d8": "5.20.2-5.23.0"},
+            f"{_MASK}:prepare_padding_mask": {"ad0de58050a9": "5.0.0-5.23.0"},
+            f"{_MASK}:padding_mask_function": {"5682e7f76fc8": "4.57.6-5.23.0"},
+            f"{_MASK}:causal_mask_function": {"e8566f1e2978": "4.57.6-5.23.0"},
+            f"{_MASK}:and_masks": {"789b132c21d8": "4.57.6-5.23.0"},
+            f"{_MASK}:_non_vmap_expansion_sdpa": {"5a75af9fba8f": "5.0.0-5.23.0"},
+            f"{_CU}:Cache.get_mask_sizes": {"6c372f7d47d1": "5.5.4-5.22.2", "979ed43a0b27": "5.23.0"},
+            f"{_CU}:Cache.get_query_offset": {"0890a0e73381": "5.14.1-5.23.0"},
+            f"{_CU}:Cache.get_seq_length": {"f0db0f879ef6": "5.5.4-5.22.2", "744955eaa379": "5.23.0"},
+            f"{_CU}:DynamicLayer.get_mask_sizes": {"07994c0bd296": "5.17.0-5.23.0"},
+            f"{_CU}:DynamicLayer.get_seq_length": {"a134511137c7": "5.17.0-5.23.0"},
+        },
+        "dynamic_loop.wide_mask",
+        why="with a padded batch, the model rebuilds its 4D mask inside every forward (about ten kernels and a long "
+            "Python chain): the decode-step mask is grown by one column instead",
+        present="5.17+",
+    ),
+    # the model families whose forward hands the mask to `create_causal_mask` once, for every layer
+    Shortcut(
+        "dynamic decode mask (llama)",
+        ("transformers.models.llama.modeling_llama:LlamaModel.forward",
+         "transformers.models.llama.modeling_llama:LlamaForCausalLM.forward"),
+        {"transformers.models.llama.modeling_llama:LlamaModel.forward": {
+            "aa5e80868d38": "5.17.0-5.22.2", "3bc97b32d434": "5.23.0"},
+         "transformers.models.llama.modeling_llama:LlamaForCausalLM.forward": {
+            "70b8a70f207c": "5.17.0-5.20.2", "88ab78d8a65e": "5.21.1-5.22.2", "c1729a1872c8": "5.23.0"}},
+        "dynamic_loop.wide_mask", why="the model's forward, read for 'dynamic decode mask'", present="5.17+",
+    ),
+    Shortcut(
+        "dynamic decode mask (mistral)",
+        ("transformers.models.mistral.modeling_mistral:MistralModel.forward",
+         "transformers.models.mistral.modeling_mistral:MistralForCausalLM.forward"),
+        {"transformers.models.mistral.modeling_mistral:MistralModel.forward": {
+            "b237e110b64c": "5.17.0-5.22.2", "dc333785d7df": "5.23.0"},
+         "transformers.models.mistral.modeling_mistral:MistralForCausalLM.forward": {
+            "cb3ef7d01ef6": "5.17.0-5.20.2", "17d5053f7fe8": "5.21.1-5.22.2", "d212cdaee547": "5.23.0"}},
+        "dynamic_loop.wide_mask", why="the model's forward, read for 'dynamic decode mask'", present="5.17+",
+    ),
+    Shortcut(
+        "dynamic decode mask (qwen2)",
+        ("transformers.models.qwen2.modeling_qwen2:Qwen2Model.forward",
+         "transformers.models.qwen2.modeling_qwen2:Qwen2ForCausalLM.forward"),
+        {"transformers.models.qwen2.modeling_qwen2:Qwen2Model.forward": {
+            "040ee3766c9f": "5.17.0-5.22.2", "af291875cf36": "5.23.0"},
+         "transformers.models.qwen2.modeling_qwen2:Qwen2ForCausalLM.forward": {
+            "10095c638162": "5.17.0-5.20.2", "67993adf9efd": "5.21.1-5.22.2", "da4cda5e6f6d": "5.23.0"}},
+        "dynamic_loop.wide_mask", why="the model's forward, read for 'dynamic decode mask'", present="5.17+",
+    ),
     # --- processors the static-cache loop captures beyond "static decode loop" (static_loop/processors/) ---
     Shortcut(
         "static loop repetition penalty", (f"{_LP}:RepetitionPenaltyLogitsProcessor.__call__",),

@@ -12,7 +12,9 @@ Here the first decode step's inputs come from the real `prepare_inputs_for_gener
   same values, shape, dtype and strides);
 - `position_ids`: the previous step's plus one (stock: a cat of `last + 1`, then a slice and a clone of it);
 - `attention_mask`: the previous one with the call's one column of ones appended (stock: `new_ones` and a cat), tagged
-  for the sync-free SDPA check (`masking.py`) as the patched `_update_model_kwargs_for_generation` tags it;
+  for the sync-free SDPA check (`masking.py`) as the patched `_update_model_kwargs_for_generation` tags it; for a
+  padded batch of a model `wide_mask.applies` to, the 4D mask the model would build from it, grown by a column of
+  True instead (`wide_mask.py`);
 - every other entry: the object stock passes again (the cache, `use_cache`, `logits_to_keep`...).
 The positions come from the tensor stock advances (generate()'s position ids, made from the mask or from the cache's
 length); nothing here reads the device or derives a position from a host length.
@@ -31,6 +33,7 @@ import torch
 from .. import masking
 from ..call_state import CALL
 from ..static_loop.inputs import _holds_tensor
+from . import wide_mask
 
 _ADVANCED = frozenset(("input_ids", "position_ids", "attention_mask"))
 
@@ -38,20 +41,26 @@ _ADVANCED = frozenset(("input_ids", "position_ids", "attention_mask"))
 class DecodeInputs:
     """The decode-step inputs of one loop; `next(tokens)` turns step t's into step t+1's."""
 
-    __slots__ = ("inputs", "positions", "mask", "ones", "summary", "state")
+    __slots__ = ("inputs", "positions", "mask", "ones", "summary", "state", "wide", "wide_ones", "cache")
 
-    def __init__(self, inputs: dict, positions, mask):
+    def __init__(self, inputs: dict, positions, mask, wide: bool = False):
         self.inputs = inputs
         self.positions = positions
-        self.mask = mask
+        self.mask = mask  # the 2D mask stock would pass (stale while `wide` is grown instead)
         self.ones = None if mask is None else mask.new_ones((mask.shape[0], 1))  # stock: `new_ones` every step
         # the grown mask carries the prompt mask's summary, as `masking.patched_update_model_kwargs` would tag it
         tag = masking._tag_of(mask) if mask is not None else None
         self.summary = tag[0] if tag is not None and masking._worth_it(mask) else None
         self.state = CALL.get()
+        # the 4D mask handed to the forward instead of the 2D one (`wide_mask.py`): made at the first step it applies
+        self.wide, self.wide_ones, self.cache = None, None, None
+        if wide and wide_mask.applies(*wide, mask, self.summary):
+            self.cache = inputs["past_key_values"]
+            self.wide_ones = torch.ones((mask.shape[0], 1, 1, 1), dtype=torch.bool, device=mask.device)
 
     @classmethod
-    def build(cls, model, input_ids: torch.Tensor, model_kwargs: dict) -> tuple[dict, "DecodeInputs | None"]:
+    def build(cls, model, input_ids: torch.Tensor, model_kwargs: dict,
+              model_forward=None) -> tuple[dict, "DecodeInputs | None"]:
         """The first decode step's inputs, from stock's `prepare_inputs_for_generation`, and the `DecodeInputs` that
         advances them (None: stock rebuilds them every step)."""
         inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
@@ -69,7 +78,8 @@ class DecodeInputs:
         if mask is not None and (mask is not model_kwargs.get("attention_mask") or mask.dim() != 2
                                  or mask.device != ids.device):
             return inputs, None
-        return inputs, cls(inputs, positions, mask)
+        wide = (model, model_forward, inputs["past_key_values"]) if model_forward is not None and mask is not None else None
+        return inputs, cls(inputs, positions, mask, wide)
 
     def next(self, column: torch.Tensor) -> dict:
         """Step t+1's inputs, given step t's tokens as the (batch, 1) column stock appended to `input_ids`."""
@@ -77,6 +87,8 @@ class DecodeInputs:
         inputs["input_ids"] = column
         if self.positions is not None:
             self.positions = inputs["position_ids"] = self.positions + 1
+        if self.wide_ones is not None and self._grow_wide():
+            return inputs
         if self.mask is not None:
             self.mask = inputs["attention_mask"] = torch.cat([self.mask, self.ones], dim=-1)
             if self.summary is not None:
@@ -84,6 +96,27 @@ class DecodeInputs:
                 if self.state is not None:
                     self.state.fed_mask = weakref.ref(self.mask)
         return inputs
+
+    def _grow_wide(self) -> bool:
+        """Hand the forward the grown 4D mask; False (the 2D mask again, from now on) once the cache and the mask no
+        longer grow together."""
+        wide, grown = self.wide, None
+        if wide is None:  # the first step: stock's 2D mask with its new column, as stock's 4D mask
+            grown = torch.cat([self.mask, self.ones], dim=-1)
+            wide = wide_mask.first(grown)
+        else:
+            wide = torch.cat([wide, self.wide_ones], dim=-1)
+        if self.cache.get_seq_length() + 1 == wide.shape[-1]:
+            self.wide = self.inputs["attention_mask"] = wide
+            if grown is not None:
+                self.mask = grown
+            return True
+        # a callback changed the cache's length: from here on the model builds its mask from the 2D one, as stock.
+        # `self.mask` is brought up to the last 4D mask handed out (stock's 2D mask of that step: ones appended)
+        if self.wide is not None and self.wide.shape[-1] > self.mask.shape[-1]:
+            self.mask = torch.cat([self.mask, self.ones.expand(-1, self.wide.shape[-1] - self.mask.shape[-1])], dim=-1)
+        self.wide = self.wide_ones = None
+        return False
 
 
 def _one_column(tensor) -> bool:

@@ -57,7 +57,8 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
                         model_inputs = step_inputs.next(column)
                     elif first:
                         first = False
-                        model_inputs, step_inputs = DecodeInputs.build(model, input_ids, model_kwargs)
+                        model_inputs, step_inputs = DecodeInputs.build(model, input_ids, model_kwargs,
+                                                                       model_forward)
                     else:
                         model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1,
                                                                            **model_kwargs)
