@@ -64,7 +64,7 @@ def releases(session, transformers):
                 "transformers.__version__, 'from', transformers.__file__, '| huggingface_hub', hub.__version__)",
                 env=env, external=True)
     failed = []
-    # 1. the drift test: every target in targets.py is where the table says, with the parameters it relies on
+    # 1. the drift test: every target in targets/ is where the table says, with the parameters it relies on
     try:
         session.run(python, *PYTEST, "tests/test_patching.py", *session.posargs, env=env, external=True)
     except nox.command.CommandFailed:

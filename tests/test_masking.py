@@ -35,7 +35,7 @@ class StandInDecidesAsTheRealMask(unittest.TestCase):
     def test_every_shape_and_offset(self, name):
         check = patching.original(name)
         if check is None:
-            self.skipTest(f"{name} is not in this transformers release (targets.py says where it is)")
+            self.skipTest(f"{name} is not in this transformers release (targets/ says where it is)")
         g = torch.Generator().manual_seed(0)
         prompts = [
             torch.ones(3, 5, dtype=torch.bool),  # no padding

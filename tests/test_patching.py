@@ -157,9 +157,9 @@ class Drift(unittest.TestCase):
             return  # a field we add: nothing upstream to drift
         original = patching.original(target.name)
         if not expected:
-            self.assertIsNone(original, f"{name} is back in transformers {TRANSFORMERS_VERSION}: update targets.py")
+            self.assertIsNone(original, f"{name} is back in transformers {TRANSFORMERS_VERSION}: update targets/patches.py")
             return
-        self.assertIsNotNone(original, f"{name} is gone from transformers {TRANSFORMERS_VERSION}: update targets.py")
+        self.assertIsNotNone(original, f"{name} is gone from transformers {TRANSFORMERS_VERSION}: update targets/patches.py")
         self.assertTrue(hasattr(owner, target.attr))
         if target.params:
             params = inspect.signature(original.__init__ if inspect.isclass(original) else original).parameters
@@ -168,7 +168,7 @@ class Drift(unittest.TestCase):
 
     @parameterized.expand([(s.name, s) for s in SHORTCUTS])
     def test_shortcut_sources_are_ones_it_was_checked_against(self, name, shortcut):
-        """On the releases a shortcut claims, every upstream source behind it has a digest listed in targets.py; a
+        """On the releases a shortcut claims, every upstream source behind it has a digest listed in targets/shortcuts.py; a
         release that changed one fails here (the shortcut is off there: the stock code runs, exact but slower)."""
         expected = present_in(shortcut, TRANSFORMERS_VERSION)
         found = verified.installed_digests(name)

@@ -3,7 +3,7 @@
     import transformers_async_stop
     model.generate(input_ids, async_stopping_criteria=True)
 
-Importing applies the patches (see `targets.py` for the list); `unpatch()` restores stock transformers, also for
+Importing applies the patches (see `targets/` for the list); `unpatch()` restores stock transformers, also for
 configs and models created while patched. `last_path()` says which path the last call that asked for the flag took.
 """
 

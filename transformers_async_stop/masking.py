@@ -45,12 +45,13 @@ class MaskSummary:
     `columns` is a (2, prompt_length) CPU bool tensor: row 0 = column is all True, row 1 = column has a True.
     """
 
-    __slots__ = ("columns", "prompt_length", "batch_size", "_buffer", "_valid", "_view", "_view_length")
+    __slots__ = ("columns", "prompt_length", "batch_size", "padded", "_buffer", "_valid", "_view", "_view_length")
 
     def __init__(self, mask: torch.Tensor):
         as_bool = mask.to(torch.bool)
         # the one device read of the call: 2 x prompt_length booleans
         self.columns = torch.stack((as_bool.all(0), as_bool.any(0))).cpu()
+        self.padded = not bool(self.columns[0].all())  # some row has a zero (read here, with the call's one read)
         self.prompt_length = mask.shape[-1]
         self.batch_size = mask.shape[0]
         self._buffer = None  # the stand-in's storage, (2, capacity), grown rarely

@@ -1,4 +1,4 @@
-"""apply(), unpatch(), is_patched(): reversible, idempotent patching of the targets in `targets.py`.
+"""apply(), unpatch(), is_patched(): reversible, idempotent patching of the targets in `targets/`.
 
 Each replacement carries a marker attribute and `__wrapped__` (the original), so a second `apply()` is a no-op and
 `unpatch()` puts back the very same objects it found, whether they were functions, staticmethods or plain values.

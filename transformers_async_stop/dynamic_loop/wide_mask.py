@@ -53,7 +53,7 @@ def applies(model, model_forward, cache, mask, summary) -> bool:
     """Whether this call's decode steps can be handed a grown 4D mask (see the module docstring)."""
     from transformers import masking_utils
 
-    if mask is None or summary is None or bool(summary.columns[0].all()):
+    if mask is None or summary is None or not summary.padded:
         return False  # no padding: stock passes no mask to SDPA
     if model_forward != model.__call__ or getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
