@@ -18,7 +18,8 @@ Copied from transformers v5.17.0-v5.23.0 (`create_causal_mask`, `_preprocess_mas
 cache's `get_mask_sizes`/`get_query_offset`/`get_seq_length`, and the forwards of the model families below, which
 pass the mask to `create_causal_mask` once and give its result to every layer), restricted to that path.
 Differences: the mask is grown instead of rebuilt. It is used only where all of this holds, checked once per call:
-- the installed sources are the ones read (`targets.SHORTCUTS` "dynamic decode mask" and the family's own);
+- the installed sources are the ones read (`targets.SHORTCUTS` "dynamic decode mask (<family>)": the mask
+  functions and cache sizes above, and the family's two forwards);
 - the model is exactly one of those families' causal LMs, full attention only (Mistral without `sliding_window`,
   Qwen2 without sliding layers), SDPA with transformers' own `sdpa_mask`, the modeling module's
   `create_causal_mask` is transformers' own, the forward is not compiled, and no forward hook or wrapper on the
@@ -77,7 +78,7 @@ def applies(model, model_forward, cache, mask, summary) -> bool:
         return False
     if _observed(model) or _observed(base):
         return False
-    return matches("dynamic decode mask") and matches(f"dynamic decode mask ({name})")
+    return matches(f"dynamic decode mask ({name})")
 
 
 def _observed(module) -> bool:
