@@ -6,6 +6,9 @@
 - Two threads generating at once on one model (each with its own StaticCache) return what each returns alone
   (issue 16, item 4): a capture never happens while another thread is inside generate(), and none starts during
   a capture.
+- A capture made while the main stream is still busy (a slow forward) does not change what the replayed step draws:
+  `capture_begin` resets the generator's shared graph-RNG tensors with two kernels on the capture stream, which the
+  main stream's replay must not overtake (found by the CUDA usage fuzzer under load, seeds 569 and 890).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import threading
 import traceback
 import unittest
 import warnings
+from unittest import mock
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -21,6 +25,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from adversarial_helpers import static_cache
 from models import PAD, TRANSFORMERS_VERSION, build, prompt, stock
 from transformers_async_stop import graph_safe
+from transformers_async_stop.static_loop import tail as tail_module
 
 needs_cuda = unittest.skipUnless(torch.cuda.is_available() and TRANSFORMERS_VERSION >= (5, 17),
                                  "needs a CUDA device and transformers 5.17+ (the static-cache loop)")
@@ -114,3 +119,34 @@ class CaptureLeavesNothingBehind(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@needs_cuda
+class CaptureWhileTheMainStreamIsBusy(unittest.TestCase):
+    def test_a_capture_behind_a_slow_forward_draws_what_stock_draws(self):
+        model = build("llama", device="cuda")
+        ids, mask = prompt(batch=3, device="cuda")
+        real = tail_module.Tail._capture
+
+        def behind_a_slow_forward(self, *args, **kwargs):
+            torch.cuda._sleep(50_000_000)  # about 25 ms of device time queued on the main stream
+            return real(self, *args, **kwargs)
+
+        def run(flag):
+            kw = dict(max_new_tokens=12, do_sample=True, top_k=3, top_p=0.9, pad_token_id=PAD,
+                      cache_implementation="static", return_dict_in_generate=True, output_scores=True)
+            if flag:
+                kw["async_stopping_criteria"] = True
+            torch.manual_seed(5)
+            out = model.generate(ids, attention_mask=mask, **kw)
+            return out.sequences, out.scores, torch.rand(4, device="cuda")
+
+        with stock():
+            ref = run(False)
+        with mock.patch.object(tail_module.Tail, "_capture", behind_a_slow_forward):
+            for attempt in range(5):  # the overtaking is a race: try it a few times
+                on = run(True)
+                self.assertTrue(torch.equal(ref[0], on[0]), f"attempt {attempt}: sequences differ")
+                for step, (a, b) in enumerate(zip(ref[1], on[1])):
+                    self.assertTrue(torch.equal(a, b), f"attempt {attempt}: scores of step {step} differ")
+                self.assertTrue(torch.equal(ref[2], on[2]), f"attempt {attempt}: RNG state afterwards differs")
