@@ -100,20 +100,20 @@ def main():
     left_padded = torch.ones_like(batch)
     for row in range(0, 8, 2):  # every other row left-padded by 1-4 positions
         left_padded[row, : 1 + row // 2] = 0
-    ids = {False: (ids, torch.ones_like(ids)), True: (batch, left_padded)}
+    prompts = {False: (ids, torch.ones_like(ids)), True: (batch, left_padded)}
     names, n = list(CONFIGS), args.tokens
     paths = {}
     for name in names:  # warm-up: compile, captures, allocator pools
         for _ in range(3):
-            call(model, ids, name, n)
-            call(model, ids, name, 1)
+            call(model, prompts, name, n)
+            call(model, prompts, name, 1)
     whole = {k: [] for k in names}
     step = {k: [] for k in names}
     for rep in range(args.reps):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
-            t_n, paths[name] = call(model, ids, name, n)
-            t_1, _ = call(model, ids, name, 1)
+            t_n, paths[name] = call(model, prompts, name, n)
+            t_1, _ = call(model, prompts, name, 1)
             whole[name].append(t_n / n * 1e3)
             step[name].append((t_n - t_1) / (n - 1) * 1e3)
     print(f"device {torch.cuda.get_device_name() if DEV == 'cuda' else 'cpu'}, torch {torch.__version__}, "

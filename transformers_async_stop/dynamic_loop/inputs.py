@@ -41,9 +41,9 @@ _ADVANCED = frozenset(("input_ids", "position_ids", "attention_mask"))
 class DecodeInputs:
     """The decode-step inputs of one loop; `next(tokens)` turns step t's into step t+1's."""
 
-    __slots__ = ("inputs", "positions", "mask", "ones", "summary", "state", "wide", "wide_ones", "cache")
+    __slots__ = ("inputs", "positions", "mask", "ones", "summary", "state", "wide", "wide_ones")
 
-    def __init__(self, inputs: dict, positions, mask, wide: bool = False):
+    def __init__(self, inputs: dict, positions, mask):
         self.inputs = inputs
         self.positions = positions
         self.mask = mask  # the 2D mask stock would pass (stale while `wide` is grown instead)
@@ -52,11 +52,9 @@ class DecodeInputs:
         tag = masking._tag_of(mask) if mask is not None else None
         self.summary = tag[0] if tag is not None and masking._worth_it(mask) else None
         self.state = CALL.get()
-        # the 4D mask handed to the forward instead of the 2D one (`wide_mask.py`): made at the first step it applies
-        self.wide, self.wide_ones, self.cache = None, None, None
-        if wide and wide_mask.applies(*wide, mask, self.summary):
-            self.cache = inputs["past_key_values"]
-            self.wide_ones = torch.ones((mask.shape[0], 1, 1, 1), dtype=torch.bool, device=mask.device)
+        # the 4D mask handed to the forward instead of the 2D one (`wide_mask.py`): made at the first step it applies;
+        # `wide_ones` is set where it applies (`build`)
+        self.wide = self.wide_ones = None
 
     @classmethod
     def build(cls, model, input_ids: torch.Tensor, model_kwargs: dict,
@@ -78,8 +76,11 @@ class DecodeInputs:
         if mask is not None and (mask is not model_kwargs.get("attention_mask") or mask.dim() != 2
                                  or mask.device != ids.device):
             return inputs, None
-        wide = (model, model_forward, inputs["past_key_values"]) if model_forward is not None and mask is not None else None
-        return inputs, cls(inputs, positions, mask, wide)
+        made = cls(inputs, positions, mask)
+        cache = inputs["past_key_values"]
+        if model_forward is not None and wide_mask.applies(model, model_forward, cache, made.summary):
+            made.wide_ones = torch.ones((mask.shape[0], 1, 1, 1), dtype=torch.bool, device=mask.device)
+        return inputs, made
 
     def next(self, column: torch.Tensor) -> dict:
         """Step t+1's inputs, given step t's tokens as the (batch, 1) column stock appended to `input_ids`."""
@@ -106,7 +107,7 @@ class DecodeInputs:
             wide = wide_mask.first(grown)
         else:
             wide = torch.cat([wide, self.wide_ones], dim=-1)
-        if self.cache.get_seq_length() + 1 == wide.shape[-1]:
+        if self.inputs["past_key_values"].get_seq_length() + 1 == wide.shape[-1]:
             self.wide = self.inputs["attention_mask"] = wide
             if grown is not None:
                 self.mask = grown

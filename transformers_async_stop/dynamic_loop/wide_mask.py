@@ -38,23 +38,22 @@ import torch
 
 from ..verified import matches
 
-# the base model class of each family read, with what makes its mask a single full-attention one
+# the base model class of each family read: (family, modeling module, causal LM class, whether the model's mask is a
+# single full-attention one)
 _FAMILIES = {
-    "LlamaModel": ("llama", lambda base: True),
-    "MistralModel": ("mistral", lambda base: getattr(base.config, "sliding_window", None) is None),
-    "Qwen2Model": ("qwen2", lambda base: not getattr(base, "has_sliding_layers", True)),
+    "LlamaModel": ("llama", "transformers.models.llama.modeling_llama", "LlamaForCausalLM", lambda base: True),
+    "MistralModel": ("mistral", "transformers.models.mistral.modeling_mistral", "MistralForCausalLM",
+                     lambda base: getattr(base.config, "sliding_window", None) is None),
+    "Qwen2Model": ("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM",
+                   lambda base: not getattr(base, "has_sliding_layers", True)),
 }
-_FAMILY_MODULES = {"llama": "transformers.models.llama.modeling_llama",
-                   "mistral": "transformers.models.mistral.modeling_mistral",
-                   "qwen2": "transformers.models.qwen2.modeling_qwen2"}
-_CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
-def applies(model, model_forward, cache, mask, summary) -> bool:
+def applies(model, model_forward, cache, summary) -> bool:
     """Whether this call's decode steps can be handed a grown 4D mask (see the module docstring)."""
     from transformers import masking_utils
 
-    if mask is None or summary is None or not summary.padded:
+    if summary is None or not summary.padded:
         return False  # no padding: stock passes no mask to SDPA
     if model_forward != model.__call__ or getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
@@ -64,10 +63,10 @@ def applies(model, model_forward, cache, mask, summary) -> bool:
     family = _FAMILIES.get(type(base).__name__) if base is not None else None
     if family is None:
         return False
-    name, single = family
-    module = sys.modules.get(_FAMILY_MODULES[name])
+    name, module_name, causal_lm, single = family
+    module = sys.modules.get(module_name)
     if (module is None or type(base) is not getattr(module, type(base).__name__, None)
-            or type(model) is not getattr(module, _CAUSAL_LM[name], None) or not single(base)):
+            or type(model) is not getattr(module, causal_lm, None) or not single(base)):
         return False
     if getattr(module, "create_causal_mask", None) is not masking_utils.create_causal_mask:
         return False

@@ -261,7 +261,6 @@ class Tail:
             except BaseException as error:
                 if began:
                     _heal_generator(graph, stream)
-                main.wait_stream(stream)  # the heal's own capture prologue (see below)
                 if not isinstance(error, Exception):
                     raise  # KeyboardInterrupt, SystemExit: after the generator is healed
                 # a processor declared graph-safe that is not: run eagerly from now on
@@ -270,12 +269,14 @@ class Tail:
                               f"graph ({type(error).__name__}: {error}); it runs eagerly for the rest of this call "
                               "(identical output).", UserWarning, stacklevel=4)
                 return None
-        # `capture_begin` resets the generator's graph-RNG tensors (seed and philox offset, shared by every graph of
-        # the generator) with two real kernels on the capture stream, outside the capture; a replay on the main stream
-        # writes the offset it must use into the same tensor, then launches. Without this wait the reset could land
-        # after the replay's write while a slow forward holds both streams back, and the step would draw with offset 0
+            finally:
+                # `capture_begin` (the heal's too) resets the generator's graph-RNG tensors (seed and philox offset,
+                # shared by every graph of the generator) with two real kernels on the capture stream, outside the
+                # capture; a replay on the main stream writes the offset it must use into the same tensor, then
+                # launches. Without this wait the reset could land after the replay's write while a slow forward holds
+                # both streams back, and the step would draw with offset 0
+                main.wait_stream(stream)
         self.pool = graph.pool()
-        main.wait_stream(stream)
         self.graphs[key] = graph
         self.outputs[key] = scores
         graph.replay()

@@ -90,13 +90,35 @@ _STATIC_MASK_DIGESTS = {
 # a padded batch's decode mask with a dynamic cache (`dynamic_loop/wide_mask.py`): these sources, plus the forwards of
 # each model family read (their digests alone also match releases before the loop, so each family's shortcut holds
 # both)
-_GROWN_MASK_WHY = ("with a padded batch, the model rebuilds its 4D mask inside every forward (about ten kernels and a "
-                   "long Python chain): the decode-step mask is grown by one column instead")
 _DYNAMIC_MASK_DIGESTS = {
     **_DECODE_MASK_DIGESTS,
     f"{_CU}:DynamicLayer.get_mask_sizes": {"07994c0bd296": "5.17.0-5.23.0"},
     f"{_CU}:DynamicLayer.get_seq_length": {"a134511137c7": "5.17.0-5.23.0"},
 }
+
+_GROWN_MASK_ROWS = (  # family, modeling module, base model and causal LM with the digests of their `forward`s
+    ("llama", "transformers.models.llama.modeling_llama",
+     "LlamaModel", {"aa5e80868d38": "5.17.0-5.22.2", "3bc97b32d434": "5.23.0"},
+     "LlamaForCausalLM", {"70b8a70f207c": "5.17.0-5.20.2", "88ab78d8a65e": "5.21.1-5.22.2", "c1729a1872c8": "5.23.0"}),
+    ("mistral", "transformers.models.mistral.modeling_mistral",
+     "MistralModel", {"b237e110b64c": "5.17.0-5.22.2", "dc333785d7df": "5.23.0"},
+     "MistralForCausalLM",
+     {"cb3ef7d01ef6": "5.17.0-5.20.2", "17d5053f7fe8": "5.21.1-5.22.2", "d212cdaee547": "5.23.0"}),
+    ("qwen2", "transformers.models.qwen2.modeling_qwen2",
+     "Qwen2Model", {"040ee3766c9f": "5.17.0-5.22.2", "af291875cf36": "5.23.0"},
+     "Qwen2ForCausalLM", {"10095c638162": "5.17.0-5.20.2", "67993adf9efd": "5.21.1-5.22.2", "da4cda5e6f6d": "5.23.0"}),
+)
+_GROWN_MASKS = tuple(
+    Shortcut(
+        f"dynamic decode mask ({family})",
+        (*_DYNAMIC_MASK_DIGESTS, f"{module}:{base}.forward", f"{module}:{lm}.forward"),
+        {**_DYNAMIC_MASK_DIGESTS, f"{module}:{base}.forward": base_digests, f"{module}:{lm}.forward": lm_digests},
+        "dynamic_loop.wide_mask", present="5.17+",
+        why="with a padded batch, the model rebuilds its 4D mask inside every forward (about ten kernels and a long "
+            "Python chain): the decode-step mask is grown by one column instead",
+    )
+    for family, module, base, base_digests, lm, lm_digests in _GROWN_MASK_ROWS
+)
 
 
 SHORTCUTS: tuple[Shortcut, ...] = (
@@ -198,39 +220,7 @@ SHORTCUTS: tuple[Shortcut, ...] = (
             "the next token, position and mask are made from the previous step's",
         present="5.17+",
     ),
-    Shortcut(
-        "dynamic decode mask (llama)",
-        tuple(_DYNAMIC_MASK_DIGESTS) + ("transformers.models.llama.modeling_llama:LlamaModel.forward",
-            "transformers.models.llama.modeling_llama:LlamaForCausalLM.forward"),
-        {**_DYNAMIC_MASK_DIGESTS,
-         "transformers.models.llama.modeling_llama:LlamaModel.forward": {
-            "aa5e80868d38": "5.17.0-5.22.2", "3bc97b32d434": "5.23.0"},
-         "transformers.models.llama.modeling_llama:LlamaForCausalLM.forward": {
-            "70b8a70f207c": "5.17.0-5.20.2", "88ab78d8a65e": "5.21.1-5.22.2", "c1729a1872c8": "5.23.0"}},
-        "dynamic_loop.wide_mask", why=_GROWN_MASK_WHY, present="5.17+",
-    ),
-    Shortcut(
-        "dynamic decode mask (mistral)",
-        tuple(_DYNAMIC_MASK_DIGESTS) + ("transformers.models.mistral.modeling_mistral:MistralModel.forward",
-            "transformers.models.mistral.modeling_mistral:MistralForCausalLM.forward"),
-        {**_DYNAMIC_MASK_DIGESTS,
-         "transformers.models.mistral.modeling_mistral:MistralModel.forward": {
-            "b237e110b64c": "5.17.0-5.22.2", "dc333785d7df": "5.23.0"},
-         "transformers.models.mistral.modeling_mistral:MistralForCausalLM.forward": {
-            "cb3ef7d01ef6": "5.17.0-5.20.2", "17d5053f7fe8": "5.21.1-5.22.2", "d212cdaee547": "5.23.0"}},
-        "dynamic_loop.wide_mask", why=_GROWN_MASK_WHY, present="5.17+",
-    ),
-    Shortcut(
-        "dynamic decode mask (qwen2)",
-        tuple(_DYNAMIC_MASK_DIGESTS) + ("transformers.models.qwen2.modeling_qwen2:Qwen2Model.forward",
-            "transformers.models.qwen2.modeling_qwen2:Qwen2ForCausalLM.forward"),
-        {**_DYNAMIC_MASK_DIGESTS,
-         "transformers.models.qwen2.modeling_qwen2:Qwen2Model.forward": {
-            "040ee3766c9f": "5.17.0-5.22.2", "af291875cf36": "5.23.0"},
-         "transformers.models.qwen2.modeling_qwen2:Qwen2ForCausalLM.forward": {
-            "10095c638162": "5.17.0-5.20.2", "67993adf9efd": "5.21.1-5.22.2", "da4cda5e6f6d": "5.23.0"}},
-        "dynamic_loop.wide_mask", why=_GROWN_MASK_WHY, present="5.17+",
-    ),
+    *_GROWN_MASKS,
     # --- processors the static-cache loop captures beyond "static decode loop" (static_loop/processors/) ---
     Shortcut(
         "static loop repetition penalty", (f"{_LP}:RepetitionPenaltyLogitsProcessor.__call__",),
