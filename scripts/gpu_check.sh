@@ -9,16 +9,19 @@
 #   bench     the benchmark (python -m transformers_async_stop.bench), extra args passed through
 #   multi     on two GPUs: device_map, tensor parallel, synced_gpus over NCCL
 #   fuzz      the differential fuzz on CUDA (TAS_FUZZ_DRAWS draws, default 200)
-#   usage     the usage fuzzer on CUDA (scripts/usage_fuzz.py, USAGE_DRAWS scenarios, default 1000)
-#   threads   tests/test_thread_streams.py on this tree, and (where .old/ holds an earlier copy of the package, made
-#             with `git archive <commit> transformers_async_stop | tar -x -C .old`) on that copy: it should fail there
+#   usage     the usage fuzzer on CUDA (scripts/usage_fuzz.py, USAGE_DRAWS scenarios, default 1000), once per seed in
+#             USAGE_SEEDS (default 0; a seed repeated runs the same scenarios again, under the same load)
+#   old       OLD_TESTS (pytest paths; default tests/test_thread_streams.py) on this tree, and (where .old/ holds an
+#             earlier copy of the package, made with `git archive <commit> transformers_async_stop | tar -x -C .old`)
+#             on that copy: a test of a fix should fail there. OLD_REPEAT: runs of each. `threads` is the same mode
 #   targets   issue 17's ratios side by side (scripts/issue17_targets.py) and generate()'s own host time per
 #             dynamic-cache step outside the forward (scripts/host_profile.py --outside-forward)
 #   all       tests,overhead,bench
 # Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, PROFILE_VARIANTS,
 # BENCH_TRACE=1.
 # transformers 5.17.0 is the device image's own; the others travel as wheels in .whl/ (docs/gpu-runs.md).
-# Everything lands in $OUT/gpu-check.tgz (the device returns at most 8 files); a summary goes to stdout.
+# Everything lands in $OUT/gpu-check.tgz (the device returns at most 8 files), packed again after every stage so that
+# a call cut off by its time limit keeps what it finished; a summary goes to stdout.
 set -u
 what=${1:-all}; shift || true
 final=${OUT:-gpu-out}; mkdir -p "$final"
@@ -27,6 +30,10 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'python', sys.version.split()[0])"
   git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20; } | tee "$out/device.txt"
+
+pack() {  # after every stage: a call cut off by its time limit still brings back what it finished
+  tar czf "$final/gpu-check.tgz" -C "$out" .
+}
 
 site() {  # the carried wheels of one transformers release, in a folder of their own
   local tag=$1 dir=/tmp/site_$1
@@ -51,6 +58,7 @@ for tag in ${VERSIONS:-t523}; do
   if has overhead; then
     timeout 120 python3 scripts/own_overhead.py 2>&1 | tee "$out/overhead_$ver.txt"
   fi
+  pack
   if has tests; then
     timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py tests/test_static_loop.py \
       > "$out/pytest_$ver.txt" 2>&1
@@ -64,17 +72,24 @@ for tag in ${VERSIONS:-t523}; do
       > "$out/assisted_$ver.txt" 2>&1
     grep -E "CUDA syncs|passed|failed|Error|error" "$out/assisted_$ver.txt" | tail -20
   fi
-  if has threads; then
-    if [ -d .old/transformers_async_stop ]; then
-      echo "--- the thread-stream test on the earlier copy in .old/ ($(cat .old/COMMIT 2>/dev/null))"
-      # run from .old/: `python -m` puts the working directory first on sys.path, so the old package is imported
-      (cd .old && PYTHONPATH="$dir" timeout 200 python3 -m pytest -q -p no:cacheprovider \
-        ../tests/test_thread_streams.py -s) > "$out/threads_old_$ver.txt" 2>&1
-      grep -E "passed|failed|differ" "$out/threads_old_$ver.txt" | tail -5
-    fi
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_thread_streams.py > "$out/threads_$ver.txt" 2>&1
-    grep -E "passed|failed|differ" "$out/threads_$ver.txt" | tail -5
+  pack
+  if has threads || has old; then
+    old_tests=(${OLD_TESTS:-tests/test_thread_streams.py})
+    for r in $(seq "${OLD_REPEAT:-1}"); do  # a race: OLD_REPEAT runs of each, to count how often it shows
+      if [ -d .old/transformers_async_stop ]; then
+        echo "--- run $r: ${old_tests[*]} on the earlier copy in .old/ ($(cat .old/COMMIT 2>/dev/null))"
+        # run from .old/: `python -m` puts the working directory first on sys.path, so the old package is imported
+        (cd .old && PYTHONPATH="$dir" timeout 200 python3 -m pytest -q -p no:cacheprovider \
+          "${old_tests[@]/#/../}" -s) > "$out/old_${ver}_$r.txt" 2>&1
+        grep -E "passed|failed|differ|Error" "$out/old_${ver}_$r.txt" | tail -12
+      fi
+      echo "--- run $r: ${old_tests[*]} on this tree"
+      timeout 200 python3 -m pytest -q -p no:cacheprovider "${old_tests[@]}" > "$out/new_${ver}_$r.txt" 2>&1
+      grep -E "passed|failed|differ|Error" "$out/new_${ver}_$r.txt" | tail -12
+      pack
+    done
   fi
+  pack
   if has targets; then
     timeout 240 python3 scripts/issue17_targets.py --reps "${TARGET_REPS:-15}" > "$out/targets_$ver.txt" 2>&1
     tail -12 "$out/targets_$ver.txt"
@@ -82,6 +97,7 @@ for tag in ${VERSIONS:-t523}; do
       --outside-forward --top 12 > "$out/outside_forward_$ver.txt" 2>&1
     grep -E "^===|^case|^tiny" "$out/outside_forward_$ver.txt" | tail -12
   fi
+  pack
   if has profile; then
     mkdir -p "$out/prof_$ver"
     timeout 300 python3 scripts/host_profile.py --cases "${PROFILE_CASES:-tiny-static,llama1b-static}" \
@@ -91,26 +107,38 @@ for tag in ${VERSIONS:-t523}; do
     grep -E "^===|ms/token|^tiny|^llama|device per step|package|create_masks|prepare_inputs|processors|criteria" \
       "$out/profile_$ver.txt" | tail -60
   fi
+  pack
   if has fuzz; then
     TAS_FUZZ_DEVICE=cuda TAS_FUZZ_DRAWS=${TAS_FUZZ_DRAWS:-200} timeout 400 python3 -m pytest -q -p no:cacheprovider \
       tests/test_fuzz.py > "$out/fuzz_$ver.txt" 2>&1
     tail -3 "$out/fuzz_$ver.txt"
   fi
+  pack
   if has usage; then
-    timeout "${USAGE_TIMEOUT:-270}" python3 scripts/usage_fuzz.py --device cuda --draws "${USAGE_DRAWS:-1000}" \
-      --seed 0 --workers 8 --shrink 30 --max-failures 5 --json "$out/usage_$ver.json" > "$out/usage_$ver.txt" 2>&1
-    grep -E "^TOTAL|^FAILED|drawn|passed" "$out/usage_$ver.txt" | tail -12
+    run=0
+    for seed in ${USAGE_SEEDS:-0}; do
+      run=$((run + 1))
+      timeout "${USAGE_TIMEOUT:-270}" python3 scripts/usage_fuzz.py --device cuda --draws "${USAGE_DRAWS:-1000}" \
+        --seed "$seed" --workers 8 --shrink 30 --max-failures 5 --json "$out/usage_${ver}_$run.json" \
+        > "$out/usage_${ver}_$run.txt" 2>&1
+      echo "--- usage run $run (seed $seed)"
+      grep -E "^TOTAL|^FAILED|drawn|passed" "$out/usage_${ver}_$run.txt" | tail -12
+      pack
+    done
   fi
+  pack
   if has multi; then
     timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_device_map.py \
       tests/test_tensor_parallel.py tests/test_distributed.py > "$out/multi_$ver.txt" 2>&1
     grep -E "SYNCS|passed|failed|Error" "$out/multi_$ver.txt" | tail -40
   fi
+  pack
   if has bench; then
     args=("$@")
     [ -n "${BENCH_TRACE:-}" ] && args+=(--trace "$out/traces")
     python3 -m transformers_async_stop.bench "${args[@]}" --json "$out/bench_$ver.json" \
       --markdown "$out/bench_$ver.md" --png "$out/bench_$ver.png" 2>"$out/bench_$ver.log" | tee "$out/bench_$ver.txt"
   fi
+  pack
 done
-tar czf "$final/gpu-check.tgz" -C "$out" .
+pack

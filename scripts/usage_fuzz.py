@@ -78,13 +78,16 @@ def main():
             counts["crashed"] += 1
             break
         if status in ("fail", "crashed"):
-            print(f"FAIL seed {seed}: {detail[:400]}", flush=True)
-            small = sc
+            print(f"FAIL seed {seed}: {detail[:2000]}", flush=True)
+            small, again = sc, None
             if args.shrink:
                 small = shrink(sc, lambda c: outcome(c)[0] == status, budget=args.shrink)
-                detail = outcome(small)[1]
-            failures.append({"seed": seed, "detail": detail, "scenario": small})
-            print(f"  shrunk: {dumps(small)}\n  differs: {detail[:600]}", flush=True)
+                again = outcome(small)
+            # the first detail is kept: a failure that does not happen again (a race) has none on the re-run
+            failures.append({"seed": seed, "detail": detail, "scenario": sc, "shrunk": small,
+                             "shrunk_outcome": again})
+            print(f"  shrunk: {dumps(small)}\n  re-run: {again[0] if again else '-'}: "
+                  f"{(again[1] if again else '')[:600]}", flush=True)
             if len(failures) >= args.max_failures:
                 print("stopping: --max-failures reached")
                 break
@@ -132,7 +135,8 @@ def _fan_out(args) -> int:
           " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed")) +
           f" (slowest worker {seconds:.0f}s)")
     for f in failures:
-        print(f"FAILED seed {f['seed']}: {f['detail'][:300]}\n  {json.dumps(f['scenario'], sort_keys=True)}")
+        scenario = json.dumps(f.get("shrunk") or f["scenario"], sort_keys=True)
+        print(f"FAILED seed {f['seed']}: {f['detail'][:1500]}\n  {scenario}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"transformers": version, "device": args.device, "counts": counts, "failures": failures}, fh,

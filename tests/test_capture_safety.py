@@ -117,36 +117,56 @@ class CaptureLeavesNothingBehind(unittest.TestCase):
                 self.assertTrue(torch.equal(a, b), f"thread {k} differs from its run alone")
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 @needs_cuda
 class CaptureWhileTheMainStreamIsBusy(unittest.TestCase):
-    def test_a_capture_behind_a_slow_forward_draws_what_stock_draws(self):
+    """`capture_begin` queues its reset of the shared graph-RNG offset on the capture stream; a replay writes the
+    offset it needs on the main stream and its graph reads it a few kernels later. The reset must never land in
+    between. Device work queued on main before the capture makes both streams wait for it, and then race; a small
+    delay on the capture stream before `capture_begin` (swept) moves the reset across the replay's kernels."""
+
+    def _generate(self, model, ids, mask, flag):
+        kw = dict(max_new_tokens=12, do_sample=True, top_k=3, top_p=0.9, pad_token_id=PAD,
+                  cache_implementation="static", return_dict_in_generate=True, output_scores=True)
+        if flag:
+            kw["async_stopping_criteria"] = True
+        torch.manual_seed(5)
+        out = model.generate(ids, attention_mask=mask, **kw)
+        return out.sequences, out.scores, torch.rand(4, device="cuda")
+
+    def _check(self, main_cycles: int, capture_cycles: tuple) -> None:
         model = build("llama", device="cuda")
         ids, mask = prompt(batch=3, device="cuda")
-        real = tail_module.Tail._capture
-
-        def behind_a_slow_forward(self, *args, **kwargs):
-            torch.cuda._sleep(50_000_000)  # about 25 ms of device time queued on the main stream
-            return real(self, *args, **kwargs)
-
-        def run(flag):
-            kw = dict(max_new_tokens=12, do_sample=True, top_k=3, top_p=0.9, pad_token_id=PAD,
-                      cache_implementation="static", return_dict_in_generate=True, output_scores=True)
-            if flag:
-                kw["async_stopping_criteria"] = True
-            torch.manual_seed(5)
-            out = model.generate(ids, attention_mask=mask, **kw)
-            return out.sequences, out.scores, torch.rand(4, device="cuda")
-
         with stock():
-            ref = run(False)
-        with mock.patch.object(tail_module.Tail, "_capture", behind_a_slow_forward):
-            for attempt in range(5):  # the overtaking is a race: try it a few times
-                on = run(True)
-                self.assertTrue(torch.equal(ref[0], on[0]), f"attempt {attempt}: sequences differ")
+            ref = self._generate(model, ids, mask, False)
+        real_capture, real_begin = tail_module.Tail._capture, torch.cuda.CUDAGraph.capture_begin
+        delay = [0]
+
+        def behind_busy_main(tail, *args, **kwargs):
+            if main_cycles:
+                torch.cuda._sleep(main_cycles)  # device time queued on the main stream, as a slow forward
+            return real_capture(tail, *args, **kwargs)
+
+        def late_reset(graph, *args, **kwargs):
+            if delay[0]:
+                torch.cuda._sleep(delay[0])  # on the capture stream, before the prologue's reset kernels
+            return real_begin(graph, *args, **kwargs)
+
+        with mock.patch.object(tail_module.Tail, "_capture", behind_busy_main), \
+                mock.patch.object(torch.cuda.CUDAGraph, "capture_begin", late_reset):
+            for attempt, cycles in enumerate(capture_cycles):
+                delay[0] = cycles
+                on = self._generate(model, ids, mask, True)
+                where = f"attempt {attempt} (capture stream held {cycles} cycles)"
+                self.assertTrue(torch.equal(ref[0], on[0]), f"{where}: sequences differ")
                 for step, (a, b) in enumerate(zip(ref[1], on[1])):
-                    self.assertTrue(torch.equal(a, b), f"attempt {attempt}: scores of step {step} differ")
-                self.assertTrue(torch.equal(ref[2], on[2]), f"attempt {attempt}: RNG state afterwards differs")
+                    self.assertTrue(torch.equal(a, b), f"{where}: scores of step {step} differ")
+                self.assertTrue(torch.equal(ref[2], on[2]), f"{where}: RNG state afterwards differs")
+
+    def test_a_capture_behind_a_slow_forward_draws_what_stock_draws(self):
+        # about 25 ms on main, then the race: five times as it comes, five times with the reset held back a little
+        # more (1 to 20 us), across the kernels between the replay's offset write and its draw
+        self._check(main_cycles=50_000_000, capture_cycles=(0, 0, 0, 0, 0, 2_000, 5_000, 10_000, 20_000, 40_000))
+
+
+if __name__ == "__main__":
+    unittest.main()

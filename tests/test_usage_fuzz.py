@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import unittest
+from unittest import mock
 
 from parameterized import parameterized
+from transformers import GenerationConfig
 
+import usage_runner
 from usage_runner import check
 from usage_scenarios import CACHES, CRITERIA, PROCESSORS, draw, dumps
 
@@ -88,6 +92,38 @@ class DrawsCoverUsage(unittest.TestCase):
 
     def test_draws_are_reproducible(self):
         self.assertEqual(draw(12345, DEVICE), draw(12345, DEVICE))
+
+
+class ThreadScenariosAreFair(unittest.TestCase):
+    def test_the_flag_run_sets_no_attribute_of_a_shared_config_while_both_threads_run(self):
+        # Set and deleted around each call, the flag changed the shared model's config while the other thread's
+        # generate() copied it (`to_dict()`): "dictionary changed size during iteration" in the flag run only,
+        # which the stock run, setting nothing, never risks (seed 101 on an H100 under load)
+        sc = next(c for c in (draw(seed, "cpu") for seed in range(3000))
+                  if c.get("threads", {}).get("mode") == "one_model"
+                  and "model_config" in (c.get("flag_via"), c["threads"]["other"].get("flag_via")))
+        shared = usage_runner.model_of(sc["family"], sc["attn"], 0, "cpu", sc.get("dtype", "float32")).generation_config
+        in_workers, real_set = [], GenerationConfig.__setattr__
+
+        def from_a_worker(config, name):
+            return (config is shared and name == "async_stopping_criteria"
+                    and threading.current_thread() is not threading.main_thread())
+
+        def spy_set(config, name, value):
+            if from_a_worker(config, name):
+                in_workers.append(("set", threading.current_thread().name))
+            real_set(config, name, value)
+
+        def spy_del(config, name):
+            if from_a_worker(config, name):
+                in_workers.append(("del", threading.current_thread().name))
+            object.__delattr__(config, name)
+
+        with mock.patch.object(GenerationConfig, "__setattr__", spy_set), \
+                mock.patch.object(GenerationConfig, "__delattr__", spy_del, create=True):
+            status, detail = usage_runner.check(sc, "cpu")
+        self.assertEqual(status if status != "stock_err" else "pass", "pass", detail)
+        self.assertEqual(in_workers, [], "the harness changed the shared config from a thread")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import copy
 import functools
 import sys
 import threading
+import traceback
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -46,6 +47,7 @@ class Result:
         self.trace = []  # one dict per turn
         self.used = []  # per user StaticCache created: the most positions any turn left written
         self.stock_err = None  # (turn, type, message) of a non-Boom exception
+        self.where = {}  # turn -> where its exception was raised (the last frames; not compared, printed on a failure)
 
 
 def _tokens(seed, shape, device):
@@ -205,6 +207,7 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
                          flag and via == "model_config")
         if err is not None:
             exc, err = err, (type(err).__name__, str(err))
+            result.where[t] = "".join(traceback.format_exception(exc)[-4:])
             if not isinstance(exc, Boom) and result.stock_err is None:
                 result.stock_err = (t,) + err
         entry = {"turn": t, "error": err, "output": _norm(out), "callbacks": _norm(observed(procs + crits, ctx)),
@@ -270,6 +273,11 @@ def _rooms(sc, device, model_seed=0):
         return run_scenario(sc, False, device, None, model_seed=model_seed).used
 
 
+def _raised(result) -> str:
+    """Where the flag run's exceptions were raised, for a failure's detail."""
+    return "".join(f"\n  turn {t} raised at:\n{where}" for t, where in sorted(result.where.items()))
+
+
 def check(sc, device="cpu"):
     """('pass' | 'fail' | 'stock_err', detail) for one scenario."""
     if "threads" in sc:
@@ -280,7 +288,7 @@ def check(sc, device="cpu"):
     on = run_scenario(sc, True, device, rooms)
     d = diff(ref.trace, on.trace, "turns")
     if d:
-        return "fail", d
+        return "fail", d + _raised(on)
     if ref.stock_err is not None:
         return "stock_err", f"turn {ref.stock_err[0]}: {ref.stock_err[1]}: {ref.stock_err[2][:200]}"
     return "pass", ""
@@ -325,6 +333,15 @@ def check_threads(sc, device="cpu"):
     ons, errors = [None, None], [None, None]
     for s, model_seed in ((a, 0), (b, seed_b)):
         _fresh(model_of(s["family"], s["attn"], model_seed, device, s.get("dtype", "float32")))
+    shared = None
+    if sc["threads"]["mode"] == "one_model" and "model_config" in (a.get("flag_via"), b.get("flag_via")):
+        # the flag set on the shared model's config once, before both threads: set and deleted per call, it would
+        # change the config's __dict__ while the other thread's generate() copies it ("dictionary changed size
+        # during iteration", a race of this harness that the stock run, which sets nothing, never has)
+        shared = model_of(a["family"], a["attn"], 0, device, a.get("dtype", "float32")).generation_config
+        before = shared.__dict__.get("async_stopping_criteria", shared)
+        shared.async_stopping_criteria = True
+        a, b = ({**s, "flag_via": "preset"} if s.get("flag_via") == "model_config" else s for s in (a, b))
     barrier = threading.Barrier(2)
 
     def job(i, s, model_seed):
@@ -335,17 +352,23 @@ def check_threads(sc, device="cpu"):
             errors[i] = f"{type(exc).__name__}: {exc}"
 
     threads = [threading.Thread(target=job, args=(0, a, 0)), threading.Thread(target=job, args=(1, b, seed_b))]
-    with _hammering(device, sc["threads"].get("hammer", False)):
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+    try:
+        with _hammering(device, sc["threads"].get("hammer", False)):
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+    finally:
+        if shared is not None and before is shared:
+            del shared.async_stopping_criteria
+        elif shared is not None:
+            shared.async_stopping_criteria = before
     for i in (0, 1):
         if errors[i]:
             return "fail", f"thread {i} raised outside generate(): {errors[i]}"
         d = diff(refs[i].trace, ons[i].trace, f"thread{i}.turns")
         if d:
-            return "fail", d
+            return "fail", d + _raised(ons[i])
     if refs[0].stock_err or refs[1].stock_err:
         return "stock_err", str(refs[0].stock_err or refs[1].stock_err)[:200]
     return "pass", ""
