@@ -133,6 +133,10 @@ class Boom(RuntimeError):
     """Raised on purpose by a callback inside generate()."""
 
 
+class Interrupt(KeyboardInterrupt):
+    """A Ctrl-C arriving inside a callback: a `BaseException`, which `except Exception` cleanup never sees."""
+
+
 class RaiseAtCall(LogitsProcessor):
     """Raises `Boom` at its call number `at` (0 = the prefill step), before returning anything."""
 
@@ -319,13 +323,14 @@ class RaiseAtCallCriterion(StoppingCriteria):
 
 
 class RaisingStreamer(RecordingStreamer):
-    """A streamer whose consumer goes away: its `put()` number `at` (0 = the prompt) raises `Boom`."""
+    """A streamer whose consumer goes away: its `put()` number `at` (0 = the prompt) raises `error` (`Boom`)."""
 
-    def __init__(self, at: int):
+    def __init__(self, at: int, error: type = Boom):
         super().__init__()
         self.at = at
+        self.error = error
 
     def put(self, value):
         super().put(value)
         if len(self.puts) - 1 == self.at:
-            raise Boom(f"streamer put {self.at}")
+            raise self.error(f"streamer put {self.at}")

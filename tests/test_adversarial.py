@@ -30,6 +30,7 @@ from adversarial_helpers import (
     InnerGenerate,
     InnerGenerateCriterion,
     InnerGenerateProcessor,
+    Interrupt,
     MaxLengthOrToken,
     NoiseProcessor,
     RaiseAtCall,
@@ -409,25 +410,37 @@ class ExceptionMidGeneration(unittest.TestCase):
         on = run(True)
         assert_same_cache_state(self, ref, on, "user cache after the exception")
 
-    @parameterized.expand([("llama", 2), ("llama", 5), ("gpt2", 3)])
-    def test_user_cache_left_as_stock_leaves_it_when_the_streamer_raises(self, family, at):
-        """The streamer's consumer goes away (its `put` raises): the flag must not have made more steps than stock
-        by then."""
+    @parameterized.expand([("llama", 2, Boom, "dynamic"), ("llama", 5, Boom, "dynamic"), ("gpt2", 3, Boom, "dynamic"),
+                           ("llama", 3, Interrupt, "dynamic"), ("gpt2", 2, Interrupt, "dynamic"),
+                           ("llama", 3, Interrupt, "attentions")])
+    def test_user_cache_left_as_stock_leaves_it_when_the_streamer_raises(self, family, at, error, kind):
+        """The streamer's consumer goes away (its `put` raises), or Ctrl-C arrives inside it (a KeyboardInterrupt,
+        which no `except Exception` sees): the flag has queued the next step by then, and must leave the cache, the
+        random state and the next call as stock leaves them."""
         model = build(family)
         ids, mask = prompt(batch=1)
 
         def run(flag):
-            cache, streamer = config_cache(model), RaisingStreamer(at)
-            with self.assertRaises(Boom):
+            cache, streamer = config_cache(model), RaisingStreamer(at, error)
+            # per-step attentions: transformers' own loop runs (the dynamic-cache loop steps aside)
+            extra = dict(output_attentions=True, return_dict_in_generate=True) if kind == "attentions" else {}
+            torch.manual_seed(4)
+            with self.assertRaises(error):
                 model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=self.MAX_NEW,
-                               eos_token_id=None, streamer=streamer, past_key_values=cache, **_flag(flag))
-            return cache, streamer.puts
+                               eos_token_id=None, do_sample=True, top_k=5, streamer=streamer, past_key_values=cache,
+                               **extra, **_flag(flag))
+            after = torch.rand(4)
+            following = model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=4,
+                                       eos_token_id=None, do_sample=True, **_flag(flag))
+            return cache, streamer.puts, after, following
 
         with stock():
-            ref_cache, ref_puts = run(None)
-        on_cache, on_puts = run(True)
+            ref_cache, ref_puts, ref_after, ref_next = run(None)
+        on_cache, on_puts, on_after, on_next = run(True)
         self.assertEqual(ref_puts, on_puts, "tokens streamed")
         assert_same_cache_state(self, ref_cache, on_cache, "user cache after the streamer raised")
+        self.assertTrue(torch.equal(ref_after, on_after), "RNG state after the exception")
+        self.assertTrue(torch.equal(ref_next, on_next), "the next call")
 
 
 # --- callbacks with side effects in the extra step (found while trying to break the flag) ------------------------

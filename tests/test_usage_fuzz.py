@@ -75,11 +75,13 @@ class DrawsCoverUsage(unittest.TestCase):
             self.assertTrue(any(t.get(key) for t in turns) and not all(t.get(key) for t in turns), key)
         for key in ("min_new_tokens", "num_return_sequences", "stale_cache", "restart", "pad_omitted", "use_cache",
                     "max_length_extra", "config_procs", "mask_omitted", "in_thread", "prefill_chunk_size",
-                    "output_hidden_states", "output_attentions"):
+                    "output_hidden_states", "output_attentions", "streamer_raises"):
             self.assertTrue(any(key in t for t in turns), key)
         self.assertTrue(any(t.get("max_length_extra", 1) <= 0 for t in turns))
         self.assertEqual({p["kind"] for t in turns for p in t["processors"]} - {"graph_safe_liar"}, set(PROCESSORS))
         self.assertEqual({c["kind"] for t in turns for c in t["criteria"]}, set(CRITERIA))
+        raises = [c for t in turns for c in t["processors"] + t["criteria"] if c["kind"] == "raise"]
+        self.assertEqual({bool(c.get("interrupt")) for c in raises}, {True, False}, "no KeyboardInterrupt drawn")
         self.assertEqual({c["threads"]["mode"] for c in cases if "threads" in c}, {"one_model", "two_models"})
         self.assertEqual({bool(c["threads"].get("hammer")) for c in cases if "threads" in c}, {True, False})
         self.assertEqual({c.get("flag_via") for c in cases}, {None, "generation_config", "model_config"})

@@ -17,7 +17,7 @@ from transformers import LogitsProcessor, MinNewTokensLengthLogitsProcessor, Sto
 
 from transformers.generation.streamers import BaseStreamer
 
-from adversarial_helpers import Boom, InnerGenerate
+from adversarial_helpers import Boom, InnerGenerate, Interrupt
 from transformers_async_stop import graph_safe
 
 
@@ -57,7 +57,7 @@ class Proc(Recorder, LogitsProcessor):
         call, self.calls = self.calls, self.calls + 1
         vocab = scores.shape[-1]
         if kind == "raise" and call == s["at"]:
-            raise Boom(f"processor raised at call {call}")
+            raise (Interrupt if s.get("interrupt") else Boom)(f"processor raised at call {call}")
         if kind == "keep_ref":
             # keeps the scores and the ids it was given; steers with the previous step's (uncopied) scores
             self.refs.extend((scores, input_ids))
@@ -116,7 +116,7 @@ class Crit(Recorder, StoppingCriteria):
         kind, s = self.spec["kind"], self.spec
         no = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         if kind == "raise" and call == s["at"]:
-            raise Boom(f"criterion raised at call {call}")
+            raise (Interrupt if s.get("interrupt") else Boom)(f"criterion raised at call {call}")
         if kind == "stop_row":  # stops row `row` (mod batch) at call `at`
             if call >= s["at"]:
                 no[s["row"] % input_ids.shape[0]] = True
@@ -148,12 +148,15 @@ class KeepingStreamer(BaseStreamer):
     """Records every put() (a copy, and the tensor itself, read again after the call: a consumer thread reading a
     queue of tensors later sees what stock gave it, so the tensors must not be reused buffers) and every end()."""
 
-    def __init__(self):
+    def __init__(self, raises=None):
         self.copies, self.refs, self.ends = [], [], 0
+        self.raises = raises  # {"at": put number, "interrupt": bool}: that put() raises (its consumer went away)
 
     def put(self, value):
         self.refs.append(value)
         self.copies.append((str(value.device), value.detach().clone()))
+        if self.raises is not None and len(self.copies) - 1 == self.raises["at"]:
+            raise (Interrupt if self.raises["interrupt"] else Boom)(f"streamer put {self.raises['at']}")
 
     def end(self):
         self.ends += 1

@@ -7,7 +7,7 @@ values, counters), every streamer put and end, what each processor and criterion
 scores, copied) and what it kept by reference, what nested generate() calls returned, the settings the callbacks
 changed, and one `torch.rand(4)` draw (the RNG state). The next turn is built from the run's own output and cache, so
 a cache left wrong by one turn shows in the next. A turn where stock raises (other than a callback's deliberate
-`Boom`) ends the scenario; the flag must raise the same there, and the scenario counts as "stock errs".
+`Boom`, or `Interrupt`, a KeyboardInterrupt) ends the scenario; the flag must raise the same there, and the scenario counts as "stock errs".
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import traceback
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from adversarial_helpers import Boom, cache_state, config_cache, judge_model, static_cache
+from adversarial_helpers import Boom, Interrupt, cache_state, config_cache, judge_model, static_cache
 from models import PAD, build, stock
 from usage_callbacks import Context, Crit, KeepingStreamer, make_processor, observed
 
@@ -190,7 +190,7 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
             kwargs["logits_processor"] = LogitsProcessorList(procs)
         if crits:
             kwargs["stopping_criteria"] = StoppingCriteriaList(crits)
-        streamer = KeepingStreamer() if turn["streamer"] else None
+        streamer = KeepingStreamer(turn.get("streamer_raises")) if turn["streamer"] else None
         if streamer is not None:
             kwargs["streamer"] = streamer
         via = sc.get("flag_via", "kwarg")
@@ -208,7 +208,7 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
         if err is not None:
             exc, err = err, (type(err).__name__, str(err))
             result.where[t] = "".join(traceback.format_exception(exc)[-4:])
-            if not isinstance(exc, Boom) and result.stock_err is None:
+            if not isinstance(exc, (Boom, Interrupt)) and result.stock_err is None:
                 result.stock_err = (t,) + err
         entry = {"turn": t, "error": err, "output": _norm(out), "callbacks": _norm(observed(procs + crits, ctx)),
                  "streamer": None if streamer is None else _norm(streamer.observed())}
@@ -244,7 +244,7 @@ def _call(model, ids, kwargs, in_thread, flag_on_model):
     def call():
         try:
             box[0] = model.generate(ids, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - an exception is an observable: type and message
+        except (Exception, Interrupt) as exc:  # noqa: BLE001 - an exception is an observable: type and message
             box[1] = exc
 
     config = model.generation_config

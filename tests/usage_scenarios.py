@@ -42,6 +42,13 @@ def _weighted(rng, table):
     return rng.choices(kinds, weights=[table[k] for k in kinds])[0]
 
 
+def _interrupt(spec) -> None:
+    # a third of the raises are a KeyboardInterrupt (Ctrl-C inside a callback), picked by the step so that the draw's
+    # random stream, and every earlier seed's scenario, stays as it was
+    if spec["at"] % 3 == 2:
+        spec["interrupt"] = True
+
+
 def _processor(rng, steps, device):
     kind = _weighted(rng, PROCESSORS)
     if device == "cuda" and kind == "graph_safe_pure" and rng.random() < 0.25:
@@ -49,6 +56,7 @@ def _processor(rng, steps, device):
     spec = {"kind": kind}
     if kind == "raise":
         spec["at"] = rng.randint(0, steps)
+        _interrupt(spec)
     elif kind in ("mutate_scores", "counter"):
         spec["token"] = rng.randrange(VOCAB)
     elif kind == "dtype":
@@ -67,7 +75,9 @@ def _criterion(rng, steps):
     spec = {"kind": kind}
     if kind in ("raise", "python_bool", "stop_row", "min_new_change"):
         spec["at"] = rng.randint(0, steps)
-    if kind == "stop_row":
+    if kind == "raise":
+        _interrupt(spec)
+    elif kind == "stop_row":
         spec["row"] = rng.randrange(4)
     elif kind == "anneal":
         spec["factor"] = rng.choice((0.5, 0.8, 1.5))
@@ -124,6 +134,11 @@ def _turn(rng, sc, t, batch, device):
     if rng.random() < 0.25:
         turn["config_procs"] = _config_procs(rng, sc["do_sample"])
     turn["streamer"] = rng.random() < 0.25
+    side = random.Random(f"{sc['seed']}/{t}/streamer")  # its own stream: every earlier seed's draw stays the same
+    if turn["streamer"] and side.random() < 0.3:
+        # its put() number `at` (0: the prompt) raises: the flag has by then queued the next step, which it must undo
+        # as stock never ran it; half of them a KeyboardInterrupt
+        turn["streamer_raises"] = {"at": side.randint(0, steps + 1), "interrupt": side.random() < 0.5}
     returned = sc["cache"].startswith("returned")
     turn["return_dict"] = returned or rng.random() < 0.4
     if turn["return_dict"]:
@@ -289,7 +304,7 @@ def _candidates(sc: dict):
                 yield variant(lambda s, i=i, key=key, value=value: s["turns"][i].__setitem__(key, value))
         for key in ("min_new_tokens", "num_return_sequences", "stale_cache", "restart", "pad_omitted", "use_cache",
                     "config_procs", "mask_omitted", "in_thread", "prefill_chunk_size", "output_hidden_states",
-                    "output_attentions"):
+                    "output_attentions", "streamer_raises"):
             if key in turn:
                 yield variant(lambda s, i=i, key=key: s["turns"][i].pop(key))
         for key, low in (("max_new_tokens", 1), ("prompt_len", 2), ("user_len", 1)):
