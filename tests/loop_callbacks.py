@@ -1,6 +1,7 @@
-"""What the decode-loop tests (test_static_loop.py, test_dynamic_loop.py) share: a processor and a criterion that
-record every call, a streamer that keeps what it is given, the kwargs of a call whose rows stop at different steps,
-and the tests both loops pass the same way (`LoopContract`)."""
+"""What the decode-loop tests (test_static_loop.py, test_dynamic_loop.py, and others) share: a processor and a
+criterion that record every call, a criterion that changes something mid-call (`ChangeAtStep`), a streamer that
+keeps what it is given, the kwargs of a call whose rows stop at different steps, and the tests both loops pass the
+same way (`LoopContract`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,20 @@ class Recorder(LogitsProcessor):
     def __call__(self, input_ids, scores):
         self.seen.append((input_ids.clone(), scores.clone()))
         return scores - 0.01 * input_ids[:, -1:].float()
+
+
+class ChangeAtStep(StoppingCriteria):
+    """Never stops; at its call number `at` (1 = after the prefill step) it runs `change()`: a callback that edits a
+    processor, a setting or the cache in the middle of a call."""
+
+    def __init__(self, at, change):
+        self.at, self.change, self.calls = at, change, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            self.change()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class StopAfterRepeat(StoppingCriteria):

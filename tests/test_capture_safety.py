@@ -133,7 +133,7 @@ class CaptureWhileTheMainStreamIsBusy(unittest.TestCase):
         out = model.generate(ids, attention_mask=mask, **kw)
         return out.sequences, out.scores, torch.rand(4, device="cuda")
 
-    def _check(self, main_cycles: int, capture_cycles: tuple) -> None:
+    def test_a_capture_behind_a_slow_forward_draws_what_stock_draws(self):
         model = build("llama", device="cuda")
         ids, mask = prompt(batch=3, device="cuda")
         with stock():
@@ -142,8 +142,7 @@ class CaptureWhileTheMainStreamIsBusy(unittest.TestCase):
         delay = [0]
 
         def behind_busy_main(tail, *args, **kwargs):
-            if main_cycles:
-                torch.cuda._sleep(main_cycles)  # device time queued on the main stream, as a slow forward
+            torch.cuda._sleep(50_000_000)  # about 25 ms of device time queued on the main stream, as a slow forward
             return real_capture(tail, *args, **kwargs)
 
         def late_reset(graph, *args, **kwargs):
@@ -153,7 +152,9 @@ class CaptureWhileTheMainStreamIsBusy(unittest.TestCase):
 
         with mock.patch.object(tail_module.Tail, "_capture", behind_busy_main), \
                 mock.patch.object(torch.cuda.CUDAGraph, "capture_begin", late_reset):
-            for attempt, cycles in enumerate(capture_cycles):
+            # five times the race as it comes, five times with the reset held back a little more (1 to 20 us),
+            # across the kernels between the replay's offset write and its draw
+            for attempt, cycles in enumerate((0, 0, 0, 0, 0, 2_000, 5_000, 10_000, 20_000, 40_000)):
                 delay[0] = cycles
                 on = self._generate(model, ids, mask, True)
                 where = f"attempt {attempt} (capture stream held {cycles} cycles)"
@@ -161,11 +162,6 @@ class CaptureWhileTheMainStreamIsBusy(unittest.TestCase):
                 for step, (a, b) in enumerate(zip(ref[1], on[1])):
                     self.assertTrue(torch.equal(a, b), f"{where}: scores of step {step} differ")
                 self.assertTrue(torch.equal(ref[2], on[2]), f"{where}: RNG state afterwards differs")
-
-    def test_a_capture_behind_a_slow_forward_draws_what_stock_draws(self):
-        # about 25 ms on main, then the race: five times as it comes, five times with the reset held back a little
-        # more (1 to 20 us), across the kernels between the replay's offset write and its draw
-        self._check(main_cycles=50_000_000, capture_cycles=(0, 0, 0, 0, 0, 2_000, 5_000, 10_000, 20_000, 40_000))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from unittest import mock
 import pytest
 import torch
 from parameterized import parameterized
-from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, StoppingCriteriaList
 
-from loop_callbacks import loop_kwargs
+from loop_callbacks import ChangeAtStep, loop_kwargs
 from models import PAD, assert_flag_matches_stock, assert_same, build, eos_ids_finishing_at, prompt
 from test_dynamic_loop import TAKEN, LoopSpy, stock_then_loop
 from transformers_async_stop.dynamic_loop import wide_mask
@@ -121,22 +121,13 @@ class GrownDecodeMaskEqualsStock(unittest.TestCase):
         model = build("llama")
         ids, mask = prompt(batch=2, left_pad=True)
 
-        class CropOnce(StoppingCriteria):
-            def __init__(self, cache, at):
-                self.cache, self.at, self.calls = cache, at, 0
-
-            def __call__(self, input_ids, scores, **kwargs):
-                self.calls += 1
-                if self.calls == self.at:
-                    self.cache.crop(-1)  # a negative count: drop that many (every release)
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
         def run(flag):
             cache = DynamicCache(config=model.config)
+            crop_once = ChangeAtStep(4, lambda: cache.crop(-1))  # a negative count: drop that many (every release)
             torch.manual_seed(0)
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=9,
                                  pad_token_id=PAD, eos_token_id=eos_ids_finishing_at(model, ids, mask, [7, None]),
-                                 do_sample=True, stopping_criteria=StoppingCriteriaList([CropOnce(cache, 4)]),
+                                 do_sample=True, stopping_criteria=StoppingCriteriaList([crop_once]),
                                  return_dict_in_generate=True, output_scores=True, output_logits=True,
                                  **({} if flag is None else dict(async_stopping_criteria=flag)))
             return out, cache, torch.rand(3)

@@ -17,26 +17,13 @@ from transformers import (
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
-    StoppingCriteria,
     StoppingCriteriaList,
 )
 
+from loop_callbacks import ChangeAtStep
 from models import PAD, PROMPT_LEN, assert_same, build, eos_ids_finishing_at, prompt, stock
 
 CACHES = ("dynamic", "static")
-
-
-class ChangeAtStep(StoppingCriteria):
-    """Never stops; at step `at` it applies `change()` (to a processor of the same call)."""
-
-    def __init__(self, at, change):
-        self.at, self.change, self.calls = at, change, 0
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.calls += 1
-        if self.calls == self.at:
-            self.change()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def _run(model, ids, mask, eos, change, processor, cache, sampling, flag):
