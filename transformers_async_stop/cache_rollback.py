@@ -88,6 +88,40 @@ def rollback_one_step(cache, position) -> None:
         layer.values.index_fill_(layer.values.dim() - 2, slot, 0)
 
 
+def holds_static_layers(cache) -> bool:
+    """Whether `cache` (one `why_not_rollbackable` accepts) is made of full-attention static layers."""
+    layers, _ = _layers(cache)
+    return bool(layers) and _is_static_full(layers[0])
+
+
+def clear_cropped_slots(cache, steps: int) -> None:
+    """After `cache.crop(-steps)`: clear the slots the crop gave back in every static layer.
+
+    5.24 makes static layers croppable (`StaticLayer`, `StaticSlidingWindowLayer` while it never went past its
+    window, `StaticIndexedLayer`), and their `crop()` only moves the counters back: the undone steps' keys and values
+    stay in the preallocated buffers, where the flag-off run never wrote (zeros there). The slots are the ones the
+    counters point at after the crop, on the device; no value is read on the host.
+    """
+    if steps <= 0:
+        return
+    layers, _ = _layers(cache)
+    for layer in layers or ():
+        keys, counter = getattr(layer, "keys", None), getattr(layer, "cumulative_length", None)
+        if not (getattr(layer, "is_compileable", False) and hasattr(layer, "max_cache_len")
+                and isinstance(keys, torch.Tensor) and keys.dim() >= 3 and isinstance(counter, torch.Tensor)):
+            continue  # not a static layer, or never initialised
+        written = getattr(layer, "cumulative_length_int", None)
+        if isinstance(written, int) and written + steps > keys.shape[-2]:
+            continue  # a sliding layer past its window: not croppable, never deferred (`cache_blocks_deferral`)
+        slots = counter.reshape(1) + torch.arange(steps, device=counter.device, dtype=counter.dtype)
+        keys.index_fill_(keys.dim() - 2, slots.to(keys.device), 0)
+        layer.values.index_fill_(layer.values.dim() - 2, slots.to(layer.values.device), 0)
+        indexer, indexed = getattr(layer, "indexer_keys", None), getattr(layer, "indexer_cumulative_length", None)
+        if isinstance(indexer, torch.Tensor) and isinstance(indexed, torch.Tensor):
+            index = indexed.reshape(1) + torch.arange(steps, device=indexed.device, dtype=indexed.dtype)
+            indexer.index_fill_(1, index.to(indexer.device), 0)
+
+
 def cache_end(cache, next_position):
     """Where the forward after the prefill writes, as the cache itself counts: the first full static layer's device
     counter (a one-element view), or, for layers that write where `cache_position` says, the first decode step's

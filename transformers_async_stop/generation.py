@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from . import cache_kwarg
 from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
 from .call_state import CALL, CallState, active_controller, active_draft, compiling
+from .module_state import why_stateful
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
 from . import concurrency, dynamic_loop, static_loop
 from . import path_report
@@ -36,7 +38,7 @@ def patched_generate(original, target):
             check_flag(kwargs[FIELD])
         report = path_report.begin(self, kwargs)  # last_path() and the logger's line
         # a fresh state for this call, also when it runs inside another generate()'s processor or criterion
-        token = CALL.set(CallState(user_cache=kwargs.get("past_key_values") is not None,
+        token = CALL.set(CallState(user_cache=cache_kwarg.user_cache(kwargs) is not None,
                                    slice_inputs="cache_position" not in kwargs))
         try:
             with concurrency.inside_generate():
@@ -93,6 +95,9 @@ def cache_out_of_sight(model, generation_config, model_kwargs) -> str | None:
 
 
 def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | None:
+    reason = why_stateful(model)
+    if reason is not None:
+        return reason
     route_a = _route_a()
     if not route_a:
         reason = cache_out_of_sight(model, generation_config, model_kwargs)
@@ -203,7 +208,7 @@ def _undo_route_b(ctl: AsyncStop, outputs, model_kwargs):
 
 def rollback_loop_cache(ctl: AsyncStop, outputs, model_kwargs) -> None:
     """Give the loop's cache (returned, or in `model_kwargs`) back the undone extra step, where it can."""
-    cache = None if isinstance(outputs, torch.Tensor) else getattr(outputs, "past_key_values", None)
+    cache = None if isinstance(outputs, torch.Tensor) else cache_kwarg.of_output(outputs)
     cache = loop_cache(model_kwargs) if cache is None else cache
     if cache is not None and why_not_rollbackable(cache) is None:
         rollback_one_step(cache, ctl.extra_position())

@@ -1,7 +1,9 @@
 """`_update_model_kwargs_for_generation` of a decode step with fewer kernels (flag on, transformers 5.5.4+).
 
 Copied from transformers v5.5.4-v5.23.0 `GenerationMixin._update_model_kwargs_for_generation` (one source over that
-range), for one new token. Differences, same values, dtypes and shapes:
+range) and v5.24.0's (the same but for the cache: 5.24 copies `outputs["cache"]` to `model_kwargs["cache"]`, where
+5.5-5.23 look the cache up under every name of `ALL_CACHE_NAMES`), for one new token. Differences, same values, dtypes
+and shapes:
 - the next position ids are `position_ids[..., -1:] + 1` (stock: `arange(1).view(...) + position_ids[..., -1:] + 1`,
   three kernels for the same integers);
 - the column of ones appended to the attention mask is made once per call (stock: `new_ones` every step).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cache_kwarg
 from .verified import matches
 
 
@@ -24,7 +27,8 @@ class KwargsUpdate:
     def __init__(self):
         from transformers.generation.utils import ALL_CACHE_NAMES
 
-        self.cache_names = tuple(ALL_CACHE_NAMES)
+        # 5.24: only `cache` is copied (the other names of `ALL_CACHE_NAMES` are never looked up there)
+        self.cache_names = ("cache",) if cache_kwarg.name() == "cache" else tuple(ALL_CACHE_NAMES)
         self.ones = None  # the (batch, 1) column of ones of the attention mask's dtype and device
 
     @classmethod

@@ -13,10 +13,12 @@ padded with zeros to the cache length (absent when transformers dropped an all-o
 per flag-on call for the loop's cache, keeps `arange(cache length)` and the padded mask (one new column copied per
 step) and builds exactly that tensor: same values, dtype, shape and contiguity as stock's.
 
-Copied from transformers v5.17.0-v5.23.0 (`create_masks_for_generate`, `create_causal_mask`,
+Copied from transformers v5.17.0-v5.24.0 (`create_masks_for_generate`, `create_causal_mask`,
 `_preprocess_mask_arguments`, `sdpa_mask`, `prepare_padding_mask`, `causal_mask_function`, `padding_mask_function`,
 `and_masks`, `_non_vmap_expansion_sdpa`, `Cache.get_query_offset`, `Cache.get_mask_sizes`, `StaticLayer`'s sizes),
-restricted to that path. Differences: nothing is recomputed that is constant for the call. Everything else (prefill,
+restricted to that path (5.24 renames their `past_key_values` parameter `cache`, keeps `past_key_values` as a
+deprecated keyword, leaves a `PagedAttentionCache` early and reorders the packed-sequence mask functions: none of it on
+this path). Differences: nothing is recomputed that is constant for the call. Everything else (prefill,
 another attention implementation, sliding or chunked layers, or/and mask functions, a 4D mask, a model with its own
 `create_masks_for_generate`, a release whose sources differ from the ones read) calls the original.
 
@@ -30,6 +32,7 @@ import weakref
 
 import torch
 
+from . import cache_kwarg
 from .call_state import compiling
 from .config import _mark
 from .verified import matches
@@ -122,11 +125,12 @@ def patched_create_masks_for_generate(original, target):
     def create_masks_for_generate(*args, **kwargs):
         # `prepare_inputs_for_generation` passes keywords only (5.17+: `inputs_embeds`; older: `input_embeds`)
         if not compiling() and _PLANS and not args:
-            plan = _plan_of(kwargs.get("past_key_values"))
+            # the running release's name (5.24: `cache`); a deprecated `past_key_values=` runs the original
+            plan = _plan_of(cache_kwarg.get(kwargs))
             if (plan is not None and kwargs.get("or_mask_function") is None
                     and kwargs.get("and_mask_function") is None and kwargs.get("block_sequence_ids") is None
                     and isinstance(kwargs.get("inputs_embeds"), torch.Tensor)):
-                mask = plan.mask(kwargs["inputs_embeds"], kwargs.get("attention_mask"), kwargs["past_key_values"])
+                mask = plan.mask(kwargs["inputs_embeds"], kwargs.get("attention_mask"), cache_kwarg.get(kwargs))
                 if mask is not None:
                     return mask
         return original(*args, **kwargs)

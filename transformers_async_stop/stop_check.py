@@ -8,21 +8,24 @@ any other call (flag off, an assistant, another release's code path) gets upstre
 
 from __future__ import annotations
 
-from .cache_rollback import rollback_one_step, why_not_rollbackable
+from .cache_rollback import clear_cropped_slots, holds_static_layers, rollback_one_step, why_not_rollbackable
 from .call_state import active_controller
 from .patching import MARKER
 
 
 def patched_deferred_class(original, target):
     class AsyncDeferredStopCheck(original):
-        """Copied from transformers v5.23.0 `DeferredStopCheck` (identical in 5.17). Differences:
+        """Copied from transformers v5.23.0 `DeferredStopCheck` (identical in 5.17; 5.24's `finish()` also finds an
+        `EncoderDecoderCache`'s layers, as ours below). Differences:
 
         - used on any device when `async_stopping_criteria=True` (upstream: MPS only); without the flag, or on a
           call our `_sample` wrapper did not take over, every method is upstream's;
         - the verdict copy (`unfinished_sequences` itself, one copy instead of `max() == 0` and a copy) and the
           token copy are made on the side stream the criteria ran on; the host reads them at the next step's
           logits processors, not here (`AsyncStop`);
-        - a StaticCache (not croppable upstream) is rolled back too (`cache_rollback.rollback_one_step`);
+        - a StaticCache (not croppable upstream before 5.24; 5.24's crop leaves the undone step's keys and values
+          where stock has zeros) is rolled back in place (`cache_rollback.rollback_one_step`), and the slots a crop
+          gives back in static layers are cleared (`cache_rollback.clear_cropped_slots`);
         - the extra step's random draws are given back;
         - an `EncoderDecoderCache` (no `.layers`) is handled through its decoder's `self_attention_cache`;
         - after an exception the recorded past of a returned cache is trimmed and its recording switched off,
@@ -48,8 +51,10 @@ def patched_deferred_class(original, target):
             ctl.see_cache(cache)
             self.streamer = streamer
             self.cache = cache if cache_is_returned else None
-            self._static = self.cache is not None and why_not_rollbackable(self.cache) is None and not getattr(
-                self.cache, "is_croppable", False)
+            # a full static cache is rolled back in place, never cropped step by step: 5.24 makes it croppable, but its
+            # per-step `crop(0)` would be a kernel per layer and step, and its crop leaves the undone step's values
+            self._static = (self.cache is not None and why_not_rollbackable(self.cache) is None
+                            and holds_static_layers(self.cache))
             self._recorded = self.cache is not None and not self._static and not ctl.synchronous
             if self._recorded:
                 self.cache.activate_past_recording()
@@ -84,6 +89,7 @@ def patched_deferred_class(original, target):
             """Give the returned cache back the last `steps` (0 or 1) steps and stop recording its past."""
             if self._recorded:
                 self.cache.crop(-steps)
+                clear_cropped_slots(self.cache, steps)  # 5.24's static layers: the crop moved only the counters
                 self._stop_recording()
             elif steps:
                 rollback_one_step(self.cache, self._ctl.extra_position())

@@ -32,6 +32,7 @@ import types
 import torch
 from transformers.generation.stopping_criteria import ConfidenceCriteria, StoppingCriteria, StoppingCriteriaList
 
+from .. import cache_kwarg
 from ..cache_rollback import why_not_rollbackable
 from ..call_state import CALL, active_draft, compiling
 from ..config import _mark, warn_stock
@@ -154,7 +155,7 @@ def _merges_arguments() -> bool:
 
 
 def _generate_candidates(self, generation_args: dict, run: DraftRun, merged: bool):
-    """Copied from transformers v4.57.6-v5.23.0 `AssistedCandidateGenerator._generate_candidates` (5.0-5.2 pass the
+    """Copied from transformers v4.57.6-v5.24.0 `AssistedCandidateGenerator._generate_candidates` (5.0-5.2 pass the
     merged arguments, the others add `**self.assistant_kwargs`; 4.57 reads the threshold from the assistant's own
     config). Differences:
     - the assistant's `generate()` runs as the draft of the deferred call (`DraftRun.drafting`), with a mask the
@@ -168,7 +169,7 @@ def _generate_candidates(self, generation_args: dict, run: DraftRun, merged: boo
     if mask is not None:
         (generation_args if merged else extra)["attention_mask"] = mask
     assistant_output = run.drafting(lambda: self.assistant_model.generate(**generation_args, **extra))
-    self.assistant_kwargs["past_key_values"] = assistant_output.past_key_values
+    cache_kwarg.put(self.assistant_kwargs, cache_kwarg.of_output(assistant_output))
     from transformers.generation import candidate_generator
 
     config = getattr(self, "assistant_generation_config", None) or self.assistant_model.generation_config

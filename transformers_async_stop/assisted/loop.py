@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
+from .. import cache_kwarg
 from ..controller import RngGuard
 from ..masking import _tag, _tag_of
 from ..verified import matches
@@ -37,7 +38,7 @@ MAX_TIME = "MaxTimeCriteria.__call__"
 
 @dataclass(frozen=True)
 class Port:
-    """What differs between the releases' `_assisted_decoding` loops (4.57 to 5.23)."""
+    """What differs between the releases' `_assisted_decoding` loops (4.57 to 5.24)."""
 
     name: str  # the shortcut in `targets.SHORTCUTS` whose sources it was ported from
     first_iteration_arg: bool  # 5.0-5.2: `get_candidates(input_ids, is_first_iteration)`
@@ -53,13 +54,17 @@ class Port:
     record_past: bool  # 5.14+: `activate_past_recording()`, relative `crop(-n)`
     crop_positive_only: bool  # 5.14: the relative crop only when n > 0
     cache_in_kwargs_only: bool  # 4.57 returns `model_kwargs.get("past_key_values")`, later releases any cache name
+    decode_compiled: bool  # 5.24+: no static-cache refusal; rounds after the first verify through the compiled
+    # forward (where `_valid_auto_compile_criteria`) under `_optimize_model_for_decode`; the cache must be croppable
+    # after the prefill; the cache is `model_kwargs["cache"]` / `outputs.cache`
 
 
 def _port(name: str, **changes) -> Port:
     """A port as 5.0's loop, with the fields that differ."""
     base = dict(first_iteration_arg=True, first_iteration_kwarg=True, cache_position=True, position_ids=False,
                 next_sequence_length=False, static_by_type=False, done_candidate=True, budget=False, eos_cut=False,
-                ensemble=False, record_past=False, crop_positive_only=False, cache_in_kwargs_only=False)
+                ensemble=False, record_past=False, crop_positive_only=False, cache_in_kwargs_only=False,
+                decode_compiled=False)
     return Port(name, **{**base, **changes})
 
 
@@ -78,6 +83,8 @@ PORTS = (
     _port("assisted decoding loop (5.14)", **dict(_RECORDING, crop_positive_only=True)),
     _port("assisted decoding loop (5.15-5.17)", **_RECORDING),
     _port("assisted decoding loop (5.18-5.23)", **dict(_RECORDING, done_candidate=False, eos_cut=True)),
+    _port("assisted decoding loop (5.24)",
+          **dict(_RECORDING, done_candidate=False, eos_cut=True, decode_compiled=True)),
 )
 
 
@@ -133,8 +140,9 @@ class FoldedCriteria:
 def run(model, port: Port, candidate_generator, input_ids, logits_processor, stopping_criteria, generation_config,
         streamer, model_kwargs):
     """Copied from transformers `GenerationMixin._assisted_decoding`: v4.57.6, v5.0.0 (= v5.1.0), v5.2.0, v5.3.0,
-    v5.4.0, v5.5.4-v5.13.1 (v5.8 adds only the MTP generator's branches), v5.14.1, v5.17.0 (= v5.15.1-v5.16.1) and v5.23.0
-    (= v5.18.0-v5.22.2 but for one annotation), per `port`, from the candidate generator on (the caller made it as
+    v5.4.0, v5.5.4-v5.13.1 (v5.8 adds only the MTP generator's branches), v5.14.1, v5.17.0 (= v5.15.1-v5.16.1), v5.23.0
+    (= v5.18.0-v5.22.2 but for one annotation) and v5.24.0 (5.23's loop with the cache renamed `cache`, decode rounds
+    through the compiled forward, and a croppable-cache check after the prefill), per `port`, from the candidate generator on (the caller made it as
     stock does). Differences:
     - acceptance on the device (`acceptance.select` / `speculative` / `accepted_length`), then one read per round
       (`RoundBox`): `n_matches` is a Python int from there on, so the cache crop, `update_candidate_strategy`,
@@ -182,6 +190,9 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
         draft.install()
         get_candidates = candidate_generator.get_candidates
     mask_key = "attention_mask"
+    model_forward = model.__call__
+    if port.decode_compiled and model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        model_forward = model.get_compiled_call(generation_config.compile_config)
 
     try:
         is_first_iteration = True
@@ -224,7 +235,14 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
             model_inputs = model.prepare_inputs_for_generation(candidate_input_ids, **extra, **candidate_kwargs)
             if "logits_to_keep" in model_inputs:
                 model_inputs["logits_to_keep"] = candidate_length + 1
-            outputs = model(**model_inputs)
+            if is_first_iteration or not port.decode_compiled:
+                outputs = model(**model_inputs)
+            else:
+                with model._optimize_model_for_decode():
+                    outputs = model_forward(**model_inputs)
+            if port.decode_compiled and is_first_iteration and not cache_kwarg.of_output(outputs).is_croppable:
+                raise ValueError("Assisted decoding requires a cache that can be cropped to restore the states after "
+                                 "draft verification")
 
             new_logits = outputs.logits[:, -candidate_length - 1:].to(dtype=torch.float32, device=device)
             next_token_logits = new_logits.clone()
@@ -269,9 +287,9 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
 
             if port.record_past:
                 if not port.crop_positive_only or candidate_length - n_matches > 0:
-                    outputs.past_key_values.crop(-(candidate_length - n_matches))
+                    cache_kwarg.of_output(outputs).crop(-(candidate_length - n_matches))
             else:
-                outputs.past_key_values.crop(new_cur_len - 1)
+                cache_kwarg.of_output(outputs).crop(new_cur_len - 1)
 
             if probs is not None:
                 start = HEADER + tokens.shape[1]
@@ -319,7 +337,7 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
         cache = next((model_kwargs[name] for name in ALL_CACHE_NAMES if name in model_kwargs), None)
     return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits,
                                      attentions=decoder_attentions, hidden_states=decoder_hidden_states,
-                                     past_key_values=cache)
+                                     **cache_kwarg.output_field(cache))
 
 
 def _tag_grown(before, after) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from ..step_lists import _plan_criterion, plan_processors
 from ..verified import matches
+from .. import cache_kwarg
 
 DYNAMIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP"
 
@@ -63,7 +64,7 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
         return None
     if _is_remote_code(model):
         return None  # stock adds a `cache_position` for remote code every step
-    cache = model_kwargs.get("past_key_values")
+    cache = cache_kwarg.get(model_kwargs)
     if type(cache) is not DynamicCache or getattr(cache, "is_compileable", False):
         return None
     # full-attention layers only: a sliding window's cache is left to the deferred path (its rollback differs);

@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from .. import masking
+from .. import cache_kwarg, masking
 from ..call_state import CALL
 from ..static_loop.inputs import _holds_tensor
 from . import wide_mask
@@ -63,9 +63,9 @@ class DecodeInputs:
         advances them (None: stock rebuilds them every step)."""
         inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
         for key, value in inputs.items():
-            if key not in _ADVANCED and key != "past_key_values" and _holds_tensor(value):
+            if key not in _ADVANCED and key != cache_kwarg.name() and _holds_tensor(value):
                 return inputs, None
-        if inputs.get("past_key_values") is not model_kwargs.get("past_key_values"):
+        if cache_kwarg.get(inputs) is not cache_kwarg.get(model_kwargs):
             return inputs, None
         ids, positions, mask = inputs.get("input_ids"), inputs.get("position_ids"), inputs.get("attention_mask")
         if not _one_column(ids) or ids.device != input_ids.device:
@@ -77,7 +77,7 @@ class DecodeInputs:
                                  or mask.device != ids.device):
             return inputs, None
         made = cls(inputs, positions, mask)
-        cache = inputs["past_key_values"]
+        cache = cache_kwarg.get(inputs)
         if model_forward is not None and wide_mask.applies(model, model_forward, cache, made.summary):
             made.wide_ones = torch.ones((mask.shape[0], 1, 1, 1), dtype=torch.bool, device=mask.device)
         return inputs, made
@@ -107,7 +107,7 @@ class DecodeInputs:
             wide = wide_mask.first(grown)
         else:
             wide = torch.cat([wide, self.wide_ones], dim=-1)
-        if self.inputs["past_key_values"].get_seq_length() + 1 == wide.shape[-1]:
+        if cache_kwarg.get(self.inputs).get_seq_length() + 1 == wide.shape[-1]:
             self.wide = self.inputs["attention_mask"] = wide
             if grown is not None:
                 self.mask = grown

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import path_report
+from .. import cache_kwarg, path_report
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
 from .inputs import DecodeInputs
@@ -106,12 +106,12 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
         streamer.end()
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, attentions=None,
-                                         hidden_states=None, past_key_values=model_kwargs.get("past_key_values"))
+                                         hidden_states=None, **cache_kwarg.output_field(cache_kwarg.get(model_kwargs)))
     return input_ids
 
 
 def _give_back_extra_forward(ctl, model_kwargs) -> None:
     """A returned cache loses the position the extra step's forward wrote (an unreturned one is dropped)."""
-    cache = model_kwargs.get("past_key_values")
+    cache = cache_kwarg.get(model_kwargs)
     if ctl.cache_returned and cache is not None and why_not_rollbackable(cache) is None:
         rollback_one_step(cache, ctl.extra_position())

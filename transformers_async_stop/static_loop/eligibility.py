@@ -29,6 +29,7 @@ import torch
 
 from ..step_lists import _EosMask, _plan_criterion, plan_processors
 from ..verified import matches
+from .. import cache_kwarg
 from . import processors as forms
 
 STATIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_STATIC_LOOP"
@@ -162,7 +163,7 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
     if (kind.prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation
             or kind._update_model_kwargs_for_generation is not GenerationMixin._update_model_kwargs_for_generation):
         return None
-    cache = model_kwargs.get("past_key_values")
+    cache = cache_kwarg.get(model_kwargs)
     layers = getattr(cache, "layers", None) if isinstance(cache, Cache) else None
     if not layers or any(type(layer) is not StaticLayer for layer in layers):
         return None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import path_report
+from .. import cache_kwarg, path_report
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
 from .inputs import StepInputs
@@ -46,7 +46,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
     )
     outputs = model._prefill(input_ids, generation_config, model_kwargs,
                              is_first_iteration=not generation_config.is_assistant)
-    cache = model_kwargs.get("past_key_values")
+    cache = cache_kwarg.get(model_kwargs)
     model_inputs, first = None, True
     tail = Tail(plan, seq, length, unfinished_sequences, pad_token_id)
     tail.held = (input_ids, length, input_ids._version)  # the first step's processors get generate()'s own ids
@@ -102,7 +102,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
         streamer.end()
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=raw_logits, attentions=None,
-                                         hidden_states=None, past_key_values=cache)
+                                         hidden_states=None, **cache_kwarg.output_field(cache))
     return sequences
 
 
