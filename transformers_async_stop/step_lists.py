@@ -34,22 +34,23 @@ _ISIN_SORTS_FROM = 10
 
 # --- logits processors --------------------------------------------------------------------------------------------
 class _EosMask:
-    """`MinLengthLogitsProcessor` / `MinNewTokensLengthLogitsProcessor.__call__` with the EOS mask made once per call.
+    """`MinLengthLogitsProcessor` / `MinNewTokensLengthLogitsProcessor.__call__` without the work stock throws away.
 
     Copied from transformers v4.57.6-v5.23.0 (same body; 5.x spells `isin_mps_friendly` as `torch.isin`, the same
-    function off MPS). Differences: `isin(arange(vocab), eos)` is kept between steps while the processor's
-    `eos_token_id` is the same unchanged tensor (stock rebuilds it, two kernels and a sort-free isin, every step);
-    inside the minimum length the stock clone that is immediately replaced is skipped. The minimum and the prompt
-    length are read from the processor at every step, as stock reads them: a criterion or another processor may
-    change them mid-call. The same values come out.
+    function off MPS). Differences: the EOS mask is made only inside the minimum length, where it is used (stock
+    makes it every step, and past the minimum drops it); the vocabulary `arange` is made once per call (nobody else
+    sees it); with 10 or more EOS ids on the scores' device the mask is a broadcast compare instead of `torch.isin`,
+    whose sort-based algorithm reads a device count on the host (the same booleans); inside the minimum the stock
+    clone that is immediately replaced is skipped. The minimum, the prompt length and the EOS ids are read from the
+    processor at every step, as stock reads them: a criterion or another processor may change them, or edit the EOS
+    tensor in place, mid-call. No version counter is read (inference tensors have none). The same values come out.
     """
 
-    __slots__ = ("processor", "mask", "_eos")
+    __slots__ = ("processor", "vocab")
 
     def __init__(self, processor):
         self.processor = processor
-        self.mask = None
-        self._eos = None  # (the eos tensor the mask was made from, its version)
+        self.vocab = None
 
     @property
     def minimum(self) -> int:
@@ -62,15 +63,19 @@ class _EosMask:
         return 0 if type(processor) is MinLengthLogitsProcessor else processor.prompt_length_to_skip
 
     def __call__(self, input_ids, scores):
-        eos = self.processor.eos_token_id
-        if self.mask is None or self._eos[0] is not eos or self._eos[1] != getattr(eos, "_version", None):
-            # the vocabulary and the device are the call's own; the EOS ids are the processor's, as they are now
-            vocab = torch.arange(scores.shape[-1], device=scores.device)
-            self.mask = torch.isin(vocab, eos)
-            self._eos = (eos, getattr(eos, "_version", None))
         if input_ids.shape[-1] - self.offset < self.minimum:
-            return torch.where(self.mask, -math.inf, scores)
+            return torch.where(self._mask(scores), -math.inf, scores)
         return scores.clone()
+
+    def _mask(self, scores):
+        vocab = self.vocab
+        if vocab is None or vocab.shape[0] != scores.shape[-1] or vocab.device != scores.device:
+            vocab = self.vocab = torch.arange(scores.shape[-1], device=scores.device)
+        eos = self.processor.eos_token_id
+        if (isinstance(eos, torch.Tensor) and eos.numel() >= _ISIN_SORTS_FROM and eos.device == vocab.device
+                and eos.dtype == vocab.dtype):
+            return (vocab[:, None] == eos.reshape(-1)).any(-1)
+        return torch.isin(vocab, eos)
 
 
 def _plan_processor(processor):
