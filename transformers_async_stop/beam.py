@@ -26,6 +26,7 @@ from .call_state import CALL, active_controller, compiling
 from . import path_report
 from .config import _mark, runs_stock
 from .controller import AsyncStop
+from .module_state import why_stateful
 from .generation import cache_is_returned, cache_out_of_sight, rollback_loop_cache, trim_recorded
 from .step_lists import ExtraStepCriteria, JoiningLogitsProcessors
 
@@ -33,6 +34,9 @@ from .step_lists import ExtraStepCriteria, JoiningLogitsProcessors
 def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | None:
     if synced_gpus:
         return "beam search with `synced_gpus=True` is not made async"
+    reason = why_stateful(model)
+    if reason is not None:
+        return reason
     reason = cache_out_of_sight(model, generation_config, model_kwargs)
     if reason is not None:
         return reason

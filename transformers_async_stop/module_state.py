@@ -1,0 +1,81 @@
+"""Modules whose forward changes state they keep on themselves: the flag's extra step would change it too.
+
+The undo of the extra step covers the cache, the sequences and the random numbers. State that a module keeps on
+itself and updates inside its forward is out of its reach: after a call that stopped early, the module would hold what
+the extra step's forward left there, and the next call (or a caller reading the module) would see it. Stock never runs
+that step, so such a call runs stock's loop (`why_stateful`).
+
+What changes inside a forward, found by reading every `forward` of transformers' model files (an AST scan for
+assignments to `self.*`, `register_buffer` and in-place buffer writes) and the rope decorator:
+- transformers' `dynamic_rope_update` (every family that uses the shared rope code): rope type `dynamic` grows
+  `inv_freq`, `max_seq_len_cached` and `attention_scaling` with the longest position seen, and resets them below the
+  original length; `longrope` switches `inv_freq` (in place from 5.23) between its short and long factors and caches
+  `long_inv_freq`. Both read the length on the host in most releases (`if seq_len > ...`), so the flag gains nothing
+  there anyway. Other rope types (`default`, `linear`, `yarn`, `llama3`, ...) compute their frequencies once.
+- modules that keep a table or state sized by the longest sequence seen, or a recurrent state, in themselves
+  (`STATEFUL_CLASSES`).
+Everything else the scan found moves a table to the input's device (CodeGen, CTRL) or is not decoder state.
+"""
+
+from __future__ import annotations
+
+# class name -> what its forward keeps (found by the scan above; a decoding-relevant module of these families)
+STATEFUL_CLASSES = {
+    "TrOCRSinusoidalPositionalEmbedding": "grows its sinusoidal table to the longest position seen",
+    "RecurrentGemmaRecurrentBlock": "keeps its convolution state on the module",
+    "RecurrentGemmaRglru": "keeps its recurrent state on the module",
+    "ClvpRotaryPositionalEmbedding": "caches its rotary table for the last sequence length",
+}
+
+_rope_wrapper_code = []  # the code object of `dynamic_rope_update`'s wrapper, made once
+
+
+def _rope_wrapper():
+    """The code every `forward` decorated with `dynamic_rope_update` runs (the decorator copies the wrapped
+    function's name, so its code object is what tells); None on a release without the decorator."""
+    if not _rope_wrapper_code:
+        try:
+            from transformers.modeling_rope_utils import dynamic_rope_update
+        except ImportError:
+            _rope_wrapper_code.append(None)
+        else:
+            _rope_wrapper_code.append(dynamic_rope_update(lambda self, x, position_ids: None).__code__)
+    return _rope_wrapper_code[0]
+
+
+def _rope_types(module) -> list[str]:
+    rope_type = getattr(module, "rope_type", None)
+    if isinstance(rope_type, dict):  # per layer type (Gemma 3, ...)
+        return [str(value) for value in rope_type.values()]
+    return [str(rope_type)] if rope_type is not None else []
+
+
+def _stateful_rope(module) -> str | None:
+    forward, wrapper = getattr(type(module), "forward", None), _rope_wrapper()
+    # the decorator sits under `torch.no_grad()`'s wrapper: follow the `__wrapped__` chain (functools.wraps)
+    for _ in range(8):
+        if forward is None or getattr(forward, "__code__", None) is wrapper:
+            break
+        forward = getattr(forward, "__wrapped__", None)
+    if forward is None or wrapper is None:
+        return None
+    # the same test the decorator makes at every call: "dynamic" in the type, or exactly "longrope"
+    for rope_type in _rope_types(module):
+        if "dynamic" in rope_type or rope_type == "longrope":
+            return rope_type
+    return None
+
+
+def why_stateful(model) -> str | None:
+    """Why the flag must run stock's loop for `model`: a module of it changes state it keeps on itself inside its
+    forward (None: no such module). Walks the modules at every call, since a caller may swap a module between calls
+    (a few microseconds per hundred modules)."""
+    for name, module in model.named_modules():
+        rope_type = _stateful_rope(module)
+        if rope_type is not None:
+            return (f"`{name or type(model).__name__}` ({type(module).__name__}) updates its rotary frequencies "
+                    f"inside each forward (rope type {rope_type!r}): the extra step would leave them changed")
+        what = STATEFUL_CLASSES.get(type(module).__name__)
+        if what is not None:
+            return f"`{name}` ({type(module).__name__}) {what}: the extra step would leave it changed"
+    return None
