@@ -14,6 +14,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -26,25 +28,34 @@ PROMPT_LEN = 6
 TRANSFORMERS_VERSION = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 
 
-def build(family: str, seed: int = 0, dtype=torch.float32, device="cpu", attn="sdpa", **overrides):
+def build(family: str, seed: int = 0, dtype=torch.float32, device="cpu", attn="sdpa", config_kwargs=None,
+          **overrides):
+    """`config_kwargs`: passed to the config's constructor (settings it validates or derives from, such as a rope
+    scaling); `overrides`: set on the config after it is built."""
     torch.manual_seed(seed)
     # a wide init keeps greedy decoding of a 16-wide model from repeating one token, so EOS can be placed per row
-    common = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, initializer_range=0.5)
+    common = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, initializer_range=0.5,
+                  **(config_kwargs or {}))
     if family == "llama":
         config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=1, max_position_embeddings=128, **common)
+                             num_key_value_heads=1, **{"max_position_embeddings": 128, **common})
         cls = LlamaForCausalLM
     elif family == "gpt2":
         config = GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=128, **common)
         cls = GPT2LMHeadModel
     elif family == "qwen2":
         config = Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                             num_key_value_heads=1, max_position_embeddings=128, **common)
+                             num_key_value_heads=1, **{"max_position_embeddings": 128, **common})
         cls = Qwen2ForCausalLM
     elif family == "mistral":
         config = MistralConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               num_key_value_heads=1, max_position_embeddings=128, sliding_window=None, **common)
+                               num_key_value_heads=1, sliding_window=None,
+                               **{"max_position_embeddings": 128, **common})
         cls = MistralForCausalLM
+    elif family == "phi3":
+        config = Phi3Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, **{"max_position_embeddings": 128, **common})
+        cls = Phi3ForCausalLM
     else:
         raise ValueError(family)
     for key, value in overrides.items():

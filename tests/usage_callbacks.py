@@ -18,6 +18,8 @@ from transformers import LogitsProcessor, MinNewTokensLengthLogitsProcessor, Sto
 from transformers.generation.streamers import BaseStreamer
 
 from adversarial_helpers import Boom, InnerGenerate, Interrupt
+import usage_mutators
+from usage_mutators import shaped
 from transformers_async_stop import graph_safe
 
 
@@ -26,8 +28,11 @@ class Recorder:
         self.spec = spec
         self.log = []  # per call: (input_ids copy, scores copy)
         self.refs = []  # tensors kept without a copy (read after the call)
+        self.objs = []  # with the aliasing probe on: the (input_ids, scores) objects received, per call
 
     def record(self, input_ids, scores):
+        if getattr(getattr(self, "ctx", None), "alias_probe", False):
+            self.objs.append((input_ids, scores))  # the objects themselves, for the aliasing probe
         if isinstance(scores, (tuple, list)):  # a criterion gets the tuple of every step's scores (output_scores)
             scores = [x.detach().clone() for x in scores]
         elif scores is not None:
@@ -111,6 +116,9 @@ class Crit(Recorder, StoppingCriteria):
         self.calls = 0
 
     def __call__(self, input_ids, scores, **kwargs):
+        return shaped(self.decide(input_ids, scores), self.spec)
+
+    def decide(self, input_ids, scores):
         self.record(input_ids, scores)
         call, self.calls = self.calls, self.calls + 1
         kind, s = self.spec["kind"], self.spec
@@ -173,6 +181,12 @@ class Context:
         self.judge = judge  # the other model of a nested call (built before the run: building it seeds the RNG)
         self.processors = []
         self.inners = []
+        # what issue 25's callbacks (usage_mutators.py) reach: the cache passed, the lists passed, the generation
+        # config passed, the EOS ids and prompt length (transformers' own processors built by the user), the
+        # aliasing probe
+        self.cache = self.plist = self.clist = self.gen_config = self.eos = None
+        self.prompt_len = 0
+        self.alias_probe = False
 
     def find(self, cls):
         return next((p for p in self.processors if type(p) is cls), None)
@@ -191,6 +205,9 @@ class Context:
 
 def make_processor(spec, ctx, eos, prompt_len):
     kind = spec["kind"]
+    new = usage_mutators.make(spec, ctx, "processor")
+    if new is not None:
+        return new
     if kind == "user_temperature":
         return TemperatureLogitsWarper(spec["t"])
     if kind == "user_min_new":
@@ -200,6 +217,10 @@ def make_processor(spec, ctx, eos, prompt_len):
     if kind.startswith("graph_safe"):
         graph_safe(proc)
     return proc
+
+
+def make_criterion(spec, ctx):
+    return usage_mutators.make(spec, ctx, "criterion") or Crit(spec, ctx)
 
 
 def observed(callbacks, ctx) -> list:
@@ -212,5 +233,7 @@ def observed(callbacks, ctx) -> list:
             out.append(("user_temperature", cb.temperature))
         elif isinstance(cb, MinNewTokensLengthLogitsProcessor):
             out.append(("user_min_new", cb.min_new_tokens))
+        elif hasattr(cb, "observe"):
+            out.append(cb.observe())
     out.extend(("inner", inner.records) for _, inner in ctx.inners)
     return out

@@ -12,10 +12,9 @@ a cache left wrong by one turn shows in the next. A turn where stock raises (oth
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import sys
+import random
 import threading
 import traceback
 
@@ -24,7 +23,11 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from adversarial_helpers import Boom, Interrupt, cache_state, config_cache, judge_model, static_cache
 from models import PAD, build, stock
-from usage_callbacks import Context, Crit, KeepingStreamer, make_processor, observed
+import usage_mutators
+from usage_callbacks import Context, KeepingStreamer, make_criterion, make_processor, observed
+from usage_mutators import Mutator
+from usage_state import alias_signature, grad_context, module_state, output_tensors, rope_config, rope_family, \
+    tensor_flags
 
 VOCAB = 48
 ROOMY = 100
@@ -126,30 +129,56 @@ def _fresh(model):
         delattr(model, name)
 
 
+def _model(sc, device, model_seed):
+    """The scenario's model: a cached one, or a fresh one for a scenario whose callbacks change the model (hooks,
+    parameters, attention) or whose rotary module keeps state (rope): each run starts from the built model."""
+    dtype = sc.get("dtype", "float32")
+    mutates = any(t.get("before") or any(c["kind"] == "mutator" for c in t["processors"] + t["criteria"])
+                  for t in sc["turns"])
+    if not sc.get("rope") and not mutates:
+        return model_of(sc["family"], sc["attn"], model_seed, device, dtype)
+    family = rope_family(sc["family"], sc.get("rope"))
+    model = build(family, seed=model_seed, device=device, attn=sc["attn"], dtype=getattr(torch, dtype),
+                  config_kwargs=rope_config(family, sc.get("rope")))
+    model._usage_fresh = set(vars(model)) | {"_usage_fresh"}
+    return model
+
+
+def _inputs(sc, turn, t, model, device, state, result, rooms):
+    """The turn's conversation, mask and cache (`state`: conv, mask, cache, cache_i), made where the turn says."""
+    batch = turn["batch"]
+    conv, mask, cache = state["conv"], state["mask"], state["cache"]
+    if conv is None or turn.get("restart") or batch != conv.shape[0]:
+        conv = _tokens(sc["seed"] * 101 + t, (batch, turn["prompt_len"]), device)
+        mask = torch.ones_like(conv)
+        if turn["left_pad"]:
+            for row in range(batch):
+                pad = min(row % 3, turn["prompt_len"] - 1)
+                conv[row, :pad], mask[row, :pad] = PAD, 0
+        if not (turn.get("stale_cache") and cache is not None):
+            cache = _new_cache(sc, model, batch, result, rooms)
+            state["cache_i"] = len(result.used) - 1
+    else:
+        user = _tokens(sc["seed"] * 101 + t, (batch, turn["user_len"]), device)
+        conv, mask = torch.cat([conv, user], 1), torch.cat([mask, torch.ones_like(user)], 1)
+    state.update(conv=conv, mask=mask, cache=cache)
+
+
 def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=0, reset=True) -> Result:
-    model = model_of(sc["family"], sc["attn"], model_seed, device, sc.get("dtype", "float32"))
+    model = _model(sc, device, model_seed)
     judge = judge_of(device)  # built before the seed: building it reseeds the RNG
     result = Result()
     if reset:
         _fresh(model)
     torch.manual_seed(sc["seed"])
-    conv = mask = cache = None
-    cache_i = -1
+    if rng_draws:  # (two threads share Python's RNG and the callbacks' globals: their scenarios draw none)
+        random.seed(sc["seed"])
+        usage_mutators.reset_hidden()
+    state = {"conv": None, "mask": None, "cache": None, "cache_i": -1}
     for t, turn in enumerate(sc["turns"]):
-        batch = turn["batch"]
-        if conv is None or turn.get("restart") or batch != conv.shape[0]:
-            conv = _tokens(sc["seed"] * 101 + t, (batch, turn["prompt_len"]), device)
-            mask = torch.ones_like(conv)
-            if turn["left_pad"]:
-                for row in range(batch):
-                    pad = min(row % 3, turn["prompt_len"] - 1)
-                    conv[row, :pad], mask[row, :pad] = PAD, 0
-            if not (turn.get("stale_cache") and cache is not None):
-                cache = _new_cache(sc, model, batch, result, rooms)
-                cache_i = len(result.used) - 1
-        else:
-            user = _tokens(sc["seed"] * 101 + t, (batch, turn["user_len"]), device)
-            conv, mask = torch.cat([conv, user], 1), torch.cat([mask, torch.ones_like(user)], 1)
+        with grad_context(turn.get("made_in")):
+            _inputs(sc, turn, t, model, device, state, result, rooms)
+        conv, mask, cache = state["conv"], state["mask"], state["cache"]
         past = int(cache.get_seq_length()) if cache is not None else 0
         ids = conv[:, past:] if turn["feed"] == "new" and cache is not None else conv
         kwargs = {"do_sample": sc["do_sample"]}
@@ -183,69 +212,104 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
             kwargs["cache_position"] = torch.arange(past, conv.shape[1], device=device)
         ctx = Context(model, judge)
         eos_list = None if eos is None else [2] if eos == "config" else eos
+        ctx.cache, ctx.eos, ctx.prompt_len = cache, eos_list, ids.shape[1]
+        ctx.alias_probe = bool(turn.get("alias_probe"))
         procs = [make_processor(s, ctx, eos_list, ids.shape[1]) for s in turn["processors"]]
         ctx.processors = procs
-        crits = [Crit(s, ctx) for s in turn["criteria"]]
-        if procs:
-            kwargs["logits_processor"] = LogitsProcessorList(procs)
-        if crits:
-            kwargs["stopping_criteria"] = StoppingCriteriaList(crits)
+        crits = [make_criterion(s, ctx) for s in turn["criteria"]]
+        lists = turn.get("before") or any(c["kind"] == "mutator" for c in turn["processors"] + turn["criteria"])
+        if procs or lists:  # (a mutator may append to the lists: it gets them even when empty)
+            kwargs["logits_processor"] = ctx.plist = LogitsProcessorList(procs)
+        if crits or lists:
+            kwargs["stopping_criteria"] = ctx.clist = StoppingCriteriaList(crits)
         streamer = KeepingStreamer(turn.get("streamer_raises")) if turn["streamer"] else None
         if streamer is not None:
             kwargs["streamer"] = streamer
         via = sc.get("flag_via", "kwarg")
         if via == "generation_config":  # both runs pass a copy of the model's config; the flag run sets the flag on it
-            kwargs["generation_config"] = copy.deepcopy(model.generation_config)
+            kwargs["generation_config"] = ctx.gen_config = copy.deepcopy(model.generation_config)
             if flag:
                 kwargs["generation_config"].async_stopping_criteria = True
         elif flag and via == "kwarg":
             kwargs["async_stopping_criteria"] = True
         if turn["embeds"]:
-            with torch.no_grad():
+            with torch.no_grad(), grad_context(turn.get("made_in")):
                 kwargs["inputs_embeds"] = model.get_input_embeddings()(ids)
-        out, err = _call(model, None if turn["embeds"] else ids, kwargs, turn.get("in_thread"),
-                         flag and via == "model_config")
+        before = Mutator(turn["before"], ctx) if turn.get("before") else None
+        try:
+            if before is not None:
+                before.apply()  # the caller changes something between two calls
+            out, err, modes = _call(model, None if turn["embeds"] else ids, kwargs, turn.get("in_thread"),
+                                    flag and via == "model_config", turn.get("grad", sc.get("grad")))
+        finally:
+            usage_mutators.restore_classes()
         if err is not None:
             exc, err = err, (type(err).__name__, str(err))
             result.where[t] = "".join(traceback.format_exception(exc)[-4:])
             if not isinstance(exc, (Boom, Interrupt)) and result.stock_err is None:
                 result.stock_err = (t,) + err
         entry = {"turn": t, "error": err, "output": _norm(out), "callbacks": _norm(observed(procs + crits, ctx)),
-                 "streamer": None if streamer is None else _norm(streamer.observed())}
+                 "streamer": None if streamer is None else _norm(streamer.observed()), "grad_modes": modes,
+                 "flags": tensor_flags(out), "modules": _norm(module_state(model))}
+        if before is not None:
+            entry["before"] = _norm(before.observe())
+        if ctx.alias_probe:
+            entry["alias"] = _aliases(out, procs + crits, streamer)
         if rng_draws:
             entry["rand"] = torch.rand(4, device=device).cpu()
+            if device != "cpu":
+                entry["rand_cpu"] = torch.rand(4)
+            entry["py_rand"] = random.random()
+            entry["hidden"] = usage_mutators.hidden_globals()
         if cache is not None:
             entry["cache"] = _norm(cache)
-            if sc["cache"] == "user_static" and cache_i >= 0:
-                result.used[cache_i] = max(result.used[cache_i], _positions_used(cache))
+            entry["cache_flags"] = tensor_flags(cache)
+            if sc["cache"] == "user_static" and state["cache_i"] >= 0:
+                result.used[state["cache_i"]] = max(result.used[state["cache_i"]], _positions_used(cache))
         result.trace.append(entry)
         if err is not None and result.stock_err is not None:
             break
         if out is not None:
             seqs = out if isinstance(out, torch.Tensor) else out.sequences
             if sc["cache"].startswith("returned"):
-                cache = getattr(out, "past_key_values", None)
+                state["cache"] = getattr(out, "past_key_values", None)
             if seqs.shape[0] != conv.shape[0]:
-                conv = cache = None  # num_return_sequences: the next turn starts a new conversation
+                state["conv"] = state["cache"] = None  # num_return_sequences: the next turn starts a new conversation
                 continue
             gen = seqs if turn["embeds"] else seqs[:, ids.shape[1]:]
             keep = torch.ones_like(gen)
             if eos_list:  # the pads after a row's EOS are not part of the conversation
                 hit = torch.isin(gen, torch.tensor(eos_list, device=gen.device)).long()
                 keep = ((hit.cumsum(1) - hit) == 0).long()
-            conv, mask = torch.cat([conv, gen], 1), torch.cat([mask, keep.to(mask.dtype)], 1)
+            state["conv"], state["mask"] = torch.cat([conv, gen], 1), torch.cat([mask, keep.to(mask.dtype)], 1)
     return result
 
 
-def _call(model, ids, kwargs, in_thread, flag_on_model):
-    """generate() (in a worker thread if asked): (output, None) or (None, the exception)."""
-    box = [None, None]
+def _aliases(out, callbacks, streamer):
+    """Which tensors the caller got are one object or share storage (usage_state.alias_signature): the output's
+    scores and logits, what each recording callback received and kept, what the streamer got."""
+    named = output_tensors(out)
+    for k, cb in enumerate(callbacks):
+        for c, (ids, scores) in enumerate(getattr(cb, "objs", ())):
+            named += [(f"cb{k}.call{c}.ids", ids), (f"cb{k}.call{c}.scores", scores)]
+        named += [(f"cb{k}.kept{r}", ref) for r, ref in enumerate(getattr(cb, "refs", ()))]
+    if streamer is not None:
+        named += [(f"streamer{i}", ref) for i, ref in enumerate(streamer.refs)]
+    return alias_signature(named)
+
+
+def _call(model, ids, kwargs, in_thread, flag_on_model, grad=None):
+    """generate() (in a worker thread if asked) inside the autograd context `grad`: (output, None, modes) or (None,
+    the exception, modes); modes: the grad / inference mode seen right after the call, inside the context."""
+    box = [None, None, None]
 
     def call():
-        try:
-            box[0] = model.generate(ids, **kwargs)
-        except (Exception, Interrupt) as exc:  # noqa: BLE001 - an exception is an observable: type and message
-            box[1] = exc
+        with grad_context(grad):
+            try:
+                box[0] = model.generate(ids, **kwargs)
+            except (Exception, Interrupt) as exc:  # noqa: BLE001 - an exception is an observable: type, message
+                box[1] = exc
+            box[2] = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
 
     config = model.generation_config
     old = config.__dict__.get("async_stopping_criteria", box)
@@ -263,7 +327,7 @@ def _call(model, ids, kwargs, in_thread, flag_on_model):
             del config.async_stopping_criteria
         elif flag_on_model:
             config.async_stopping_criteria = old
-    return box[0], box[1]
+    return box[0], box[1], box[2]
 
 
 def _rooms(sc, device, model_seed=0):
@@ -281,6 +345,8 @@ def _raised(result) -> str:
 def check(sc, device="cpu"):
     """('pass' | 'fail' | 'stock_err', detail) for one scenario."""
     if "threads" in sc:
+        from usage_threads import check_threads  # (it runs this module's scenarios)
+
         return check_threads(sc, device)
     rooms = _rooms(sc, device)
     with stock():
@@ -291,84 +357,4 @@ def check(sc, device="cpu"):
         return "fail", d + _raised(on)
     if ref.stock_err is not None:
         return "stock_err", f"turn {ref.stock_err[0]}: {ref.stock_err[1]}: {ref.stock_err[2][:200]}"
-    return "pass", ""
-
-
-@contextlib.contextmanager
-def _hammering(device, on):
-    """While the block runs (if `on`): a thread allocating and writing small long tensors on the default stream, the
-    interpreter switching threads as often as it can (memory freed too early is taken at once)."""
-    if not on:
-        yield
-        return
-    stop = threading.Event()
-
-    def hammer():
-        size = 1
-        while not stop.is_set():
-            torch.empty(size, dtype=torch.long, device=device).fill_(0)
-            size = size % 8 + 1
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    worker = threading.Thread(target=hammer)
-    worker.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        worker.join()
-        sys.setswitchinterval(interval)
-
-
-def check_threads(sc, device="cpu"):
-    """Two scenarios at once in two threads, flag on, each equal to its own sequential stock run."""
-    a = {k: v for k, v in sc.items() if k != "threads"}
-    b = sc["threads"]["other"]
-    seed_b = 1 if sc["threads"]["mode"] == "two_models" else 0
-    rooms = (_rooms(a, device), _rooms(b, device, seed_b))
-    with stock():
-        refs = [run_scenario(a, False, device, rooms[0], rng_draws=False),
-                run_scenario(b, False, device, rooms[1], rng_draws=False, model_seed=seed_b)]
-    ons, errors = [None, None], [None, None]
-    for s, model_seed in ((a, 0), (b, seed_b)):
-        _fresh(model_of(s["family"], s["attn"], model_seed, device, s.get("dtype", "float32")))
-    shared = None
-    if sc["threads"]["mode"] == "one_model" and "model_config" in (a.get("flag_via"), b.get("flag_via")):
-        # the flag set on the shared model's config once, before both threads: set and deleted per call, it would
-        # change the config's __dict__ while the other thread's generate() copies it ("dictionary changed size
-        # during iteration", a race of this harness that the stock run, which sets nothing, never has)
-        shared = model_of(a["family"], a["attn"], 0, device, a.get("dtype", "float32")).generation_config
-        before = shared.__dict__.get("async_stopping_criteria", shared)
-        shared.async_stopping_criteria = True
-        a, b = ({**s, "flag_via": "preset"} if s.get("flag_via") == "model_config" else s for s in (a, b))
-    barrier = threading.Barrier(2)
-
-    def job(i, s, model_seed):
-        try:
-            barrier.wait()
-            ons[i] = run_scenario(s, True, device, rooms[i], rng_draws=False, model_seed=model_seed, reset=False)
-        except Exception as exc:  # noqa: BLE001
-            errors[i] = f"{type(exc).__name__}: {exc}"
-
-    threads = [threading.Thread(target=job, args=(0, a, 0)), threading.Thread(target=job, args=(1, b, seed_b))]
-    try:
-        with _hammering(device, sc["threads"].get("hammer", False)):
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join()
-    finally:
-        if shared is not None and before is shared:
-            del shared.async_stopping_criteria
-        elif shared is not None:
-            shared.async_stopping_criteria = before
-    for i in (0, 1):
-        if errors[i]:
-            return "fail", f"thread {i} raised outside generate(): {errors[i]}"
-        d = diff(refs[i].trace, ons[i].trace, f"thread{i}.turns")
-        if d:
-            return "fail", d + _raised(ons[i])
-    if refs[0].stock_err or refs[1].stock_err:
-        return "stock_err", str(refs[0].stock_err or refs[1].stock_err)[:200]
     return "pass", ""

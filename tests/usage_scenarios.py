@@ -21,6 +21,8 @@ import random
 
 from transformers.generation.utils import GenerationMixin
 
+import usage_dimensions
+
 # generate() takes an explicit `cache_position` up to 5.16 (5.17 builds positions from the cache alone)
 TAKES_CACHE_POSITION = hasattr(GenerationMixin, "_get_initial_cache_position")
 
@@ -177,6 +179,13 @@ def _config_procs(rng, sampling) -> dict:
 
 
 def draw(seed: int, device: str = "cpu") -> dict:
+    sc = _draw(seed, device)
+    if "threads" not in sc:
+        usage_dimensions.add(sc, device)  # issue 25's dimensions, from their own random streams
+    return sc
+
+
+def _draw(seed: int, device: str = "cpu") -> dict:
     rng = random.Random(seed)
     family = rng.choice(FAMILIES)
     sc = {"seed": seed, "family": family, "attn": rng.choice(("sdpa", "sdpa", "eager")),
@@ -220,7 +229,7 @@ def draw(seed: int, device: str = "cpu") -> dict:
     if any(p["kind"] == "user_temperature" for t in sc["turns"] for p in t["processors"]):
         sc.pop("temperature", None)  # stock refuses a user warper of a type it also builds from the config
     if rng.random() < 0.06:
-        other = draw(seed + 10_000_000, device)
+        other = _draw(seed + 10_000_000, device)
         other.pop("threads", None)
         mode = rng.choice(("one_model", "two_models"))
         if mode == "one_model":
@@ -276,6 +285,7 @@ def _candidates(sc: dict):
 
     if "threads" in sc:
         yield variant(lambda s: s.pop("threads"))
+    yield from usage_dimensions.candidates(sc, variant)
     turns = sc["turns"]
     for i in reversed(range(len(turns))):
         if len(turns) > 1:

@@ -1,0 +1,174 @@
+"""Issue 25's dimensions of a usage scenario (usage_scenarios.py), drawn from their own random streams (seeded by the
+scenario's seed and the turn), so that the fields every earlier seed drew stay as they were.
+
+Per scenario: the autograd context around the calls (`grad`: none, `no_grad`, `inference_mode`), a model config
+with a stateful rotary module (`rope`: `dynamic`, `longrope`, `yarn`, `llama3`, small enough that the tiny model
+crosses `max_position_embeddings` / `original_max_position_embeddings` within a call; `longrope` at times on Phi-3,
+where real checkpoints ship it). Per turn: a context of its own (`grad`), inputs made inside `inference_mode`
+(`made_in`), an aliasing probe (`alias_probe`), a change the caller makes before the call (`before`), and one or two
+callbacks of usage_mutators.py inserted among the turn's processors and criteria: mid-call mutations of the model,
+the cache, the generation config or the processor/criteria lists, in-place edits of `input_ids`, processors with
+hidden state, scores narrowed or widened before transformers' own processors. Any criterion (old or new) may return
+its verdict as (batch, 1) and / or as long / uint8 (`ret`).
+"""
+
+from __future__ import annotations
+
+import random
+
+VOCAB = 48
+ROPE_TYPES = {"dynamic": 3, "longrope": 3, "yarn": 2, "llama3": 2}
+NEW_PROCESSORS = {"hidden": 4, "width": 3, "mutator": 3, "edit_ids": 1}
+NEW_CRITERIA = {"mutator": 3, "edit_ids": 2}
+MUTATIONS = ("forward_hook", "forward_pre_hook", "set_attn", "class_forward", "param_inplace", "param_replace",
+             "cache_crop", "cache_reset", "gen_config", "proc_list", "crit_list")
+BEFORE = ("forward_hook", "forward_pre_hook", "set_attn", "class_forward", "param_replace", "gen_config")
+HIDDEN = ("attr_scores", "attr_ids", "attr_held", "cpu_rng", "device_rng", "generator", "py_random", "closure",
+          "closure_fn", "global", "class_attr")
+WIDEN_THEN = ("repetition_penalty", "no_repeat_ngram", "min_new_tokens", "sequence_bias", "suppress")
+NARROW_THEN = ("min_new_tokens", "suppress")
+RET_DTYPES = ("bool", "long", "uint8")
+GRADS = ("none", "no_grad", "inference_mode")
+
+
+def _weighted(rng, table):
+    kinds = list(table)
+    return rng.choices(kinds, weights=[table[k] for k in kinds])[0]
+
+
+def _rope(rng):
+    kind = _weighted(rng, ROPE_TYPES)
+    orig = rng.choice((6, 8, 10, 12))
+    factor = rng.choice((2.0, 4.0))
+    # dynamic: the module rescales past max_position_embeddings; the others switch (longrope) or interpolate past
+    # original_max_position_embeddings; max_pos stays larger than the original for those
+    max_pos = orig if kind == "dynamic" else int(orig * factor)
+    return {"type": kind, "factor": factor, "orig": orig, "max_pos": max_pos}
+
+
+def _builtin(rng, name, narrowed_to=VOCAB):
+    value = {"repetition_penalty": rng.choice((0.7, 1.5)), "no_repeat_ngram": rng.choice((1, 2)),
+             "min_new_tokens": rng.randint(1, 6), "sequence_bias": rng.randrange(3, narrowed_to),
+             "suppress": rng.randrange(3, narrowed_to)}[name]
+    return {"kind": "builtin", "name": name, "value": value}
+
+
+def _mutation(rng, sc, steps, whats=MUTATIONS):
+    what = rng.choice(whats)
+    spec = {"kind": "mutator", "what": what, "at": rng.randint(0, max(steps - 1, 0))}
+    if what in ("forward_hook", "forward_pre_hook"):
+        spec["target"] = rng.choice(("model", "decoder", "layer", "head"))
+        spec["perturb"] = what == "forward_hook" and rng.random() < 0.5
+        spec["token"] = rng.randrange(3, VOCAB)
+    elif what == "class_forward":
+        spec["token"] = rng.randrange(3, VOCAB)
+    elif what in ("param_inplace", "param_replace"):
+        spec["frac"] = round(rng.random(), 3)
+    elif what == "gen_config":
+        field, value = rng.choice((("eos_token_id", rng.randrange(3, VOCAB)), ("max_new_tokens", rng.randint(1, 4)),
+                                   ("repetition_penalty", 1.5), ("min_new_tokens", rng.randint(1, 6)),
+                                   ("do_sample", not sc["do_sample"]), ("output_scores", True)))
+        spec.update(field=field, value=value, target=rng.choice(("model", "passed")))
+    elif what == "proc_list":
+        spec["token"] = rng.randrange(3, VOCAB)
+    elif what == "crit_list":
+        spec["row"] = rng.randrange(4)
+    return spec
+
+
+def _new_processor(rng, sc, steps) -> list:
+    kind = _weighted(rng, NEW_PROCESSORS)
+    if kind == "hidden":
+        spec = {"kind": "hidden", "store": rng.choice(HIDDEN), "token": rng.randrange(3, VOCAB)}
+        if spec["store"] == "generator":
+            spec.update(gen_device=rng.choice(("cpu", "model")), gen_seed=rng.randrange(1000))
+        return [spec]
+    if kind == "width":
+        if rng.random() < 0.6:
+            delta = rng.choice((1, 5))
+            then = rng.sample(WIDEN_THEN, rng.randint(1, 2))
+        else:
+            # narrowed by one: a prompt token at V-1 makes stock's own penalty processors index past the width
+            # (stock raises: a skipped scenario); by more, only processors that do not index by token follow
+            delta = -rng.choice((1, 1, 4))
+            then = rng.sample(WIDEN_THEN if delta == -1 else NARROW_THEN, rng.randint(0, 2))
+        return [{"kind": "width", "delta": delta}] + [_builtin(rng, name, VOCAB + min(delta, 0)) for name in then]
+    if kind == "mutator":
+        return [{**_mutation(rng, sc, steps), "role": "processor"}]
+    return [{"kind": "edit_ids", "role": "processor", "col": rng.choice((-1, -2, 0)), "at": rng.randint(0, steps),
+             "every": rng.random() < 0.4}]
+
+
+def _new_criterion(rng, sc, steps) -> dict:
+    kind = _weighted(rng, NEW_CRITERIA)
+    if kind == "mutator":
+        return {**_mutation(rng, sc, steps), "role": "criterion"}
+    return {"kind": "edit_ids", "role": "criterion", "col": rng.choice((-1, -1, -2, 0)), "at": rng.randint(0, steps),
+            "every": rng.random() < 0.4}
+
+
+def _ret(rng) -> dict:
+    r = rng.random()
+    shape = "col" if r < 0.5 else "row"
+    dtype = rng.choice(RET_DTYPES) if shape == "col" else rng.choice(RET_DTYPES[1:])
+    return {"shape": shape, "dtype": dtype}
+
+
+def _steps(turn) -> int:
+    return max(turn.get("max_new_tokens", turn.get("max_length_extra", 1)), 1)
+
+
+def add(sc: dict, device: str) -> None:
+    """Adds issue 25's dimensions to the drawn scenario `sc` (in place)."""
+    rng = random.Random(f"{sc['seed']}/issue25")
+    r = rng.random()
+    grad = "inference_mode" if r < 0.35 else "no_grad" if r < 0.5 else "none"
+    if grad != "none":
+        sc["grad"] = grad
+    if sc["family"] in ("llama", "qwen2", "mistral") and rng.random() < 0.3:
+        sc["rope"] = _rope(rng)
+        if sc["rope"]["type"] == "longrope" and rng.random() < 0.4:
+            sc["family"] = "phi3"  # (a static cache works there too: the cache kinds drawn stay valid)
+    for t, turn in enumerate(sc["turns"]):
+        side = random.Random(f"{sc['seed']}/{t}/issue25")
+        steps = _steps(turn)
+        if t > 0 and side.random() < 0.1:
+            turn["grad"] = side.choice([g for g in GRADS if g != sc.get("grad", "none")])
+        if side.random() < 0.15:
+            turn["made_in"] = "inference_mode"
+        if side.random() < 0.3:
+            turn["alias_probe"] = True
+        if side.random() < (0.1 if t > 0 else 0.04):
+            turn["before"] = _mutation(side, sc, steps, BEFORE)
+        for _ in range((side.random() < 0.35) + (side.random() < 0.1)):
+            block = _new_processor(side, sc, steps)
+            at = side.randint(0, len(turn["processors"]))
+            turn["processors"][at:at] = block
+        if side.random() < 0.3:
+            turn["criteria"].insert(side.randint(0, len(turn["criteria"])), _new_criterion(side, sc, steps))
+        for crit in turn["criteria"]:
+            if crit["kind"] != "python_bool" and side.random() < 0.25:
+                crit["ret"] = _ret(side)
+                if crit["ret"]["shape"] == "col" and turn["eos"] is not None and side.random() < 0.8:
+                    # with an EOS id, stock's own loop fails on a (batch, 1) verdict (the unfinished rows become
+                    # (batch, batch), then its next tokens 3-D): most such draws run without EOS, where stock
+                    # broadcasts it and returns
+                    turn["eos"] = None
+
+
+def candidates(sc: dict, variant):
+    """Simpler variants of `sc` along these dimensions (for usage_scenarios.shrink)."""
+    for key in ("grad", "rope"):
+        if key in sc:
+            yield variant(lambda s, key=key: s.pop(key))
+    if sc["family"] == "phi3":
+        yield variant(lambda s: s.__setitem__("family", "llama"))
+    for i, turn in enumerate(sc["turns"]):
+        for key in ("grad", "made_in", "alias_probe", "before"):
+            if key in turn:
+                yield variant(lambda s, i=i, key=key: s["turns"][i].pop(key))
+        for j, crit in enumerate(turn["criteria"]):
+            if "ret" in crit:
+                yield variant(lambda s, i=i, j=j: s["turns"][i]["criteria"][j].pop("ret"))
+                if crit["ret"]["dtype"] != "bool":
+                    yield variant(lambda s, i=i, j=j: s["turns"][i]["criteria"][j]["ret"].__setitem__("dtype", "bool"))
