@@ -16,6 +16,8 @@
 #             on that copy: a test of a fix should fail there. OLD_REPEAT: runs of each. `threads` is the same mode
 #   targets   issue 17's ratios side by side (scripts/issue17_targets.py) and generate()'s own host time per
 #             dynamic-cache step outside the forward (scripts/host_profile.py --outside-forward)
+#   blog      the blog's experiment: a static-cache generate() inside @torch.inference_mode(), Llama-1B-shaped bf16
+#             and #43089's tiny Llama, stock / upstream / flag side by side (scripts/inference_mode_blog.py)
 #   all       tests,overhead,bench
 # Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, PROFILE_VARIANTS,
 # BENCH_TRACE=1.
@@ -44,9 +46,9 @@ site() {  # the carried wheels of one transformers release, in a folder of their
   echo "$dir"
 }
 
-NEW_CUDA="tests/test_capture_safety.py tests/test_static_processors.py tests/test_purity.py tests/test_dynamic_loop.py tests/test_dynamic_mask.py tests/test_thread_streams.py
- tests/test_usage_holes.py"
-NEW_CUDA=$(for f in $NEW_CUDA; do [ -f "$f" ] && echo "$f"; done)
+# every other test file with CUDA classes (their names say Cuda/cuda/Capture; their CPU tests run in CI); the
+# multi-GPU files run in `multi`
+NEW_CUDA=$(grep -l "cuda.is_available" tests/test_*.py | grep -vE "test_(cuda|static_loop|assisted|device_map|tensor_parallel|distributed)\.py")
 
 has() { case ",$what," in *",$1,"*) return 0 ;; *",all,"*) case $1 in tests|overhead|bench) return 0 ;; esac ;; esac; return 1; }
 
@@ -93,9 +95,14 @@ for tag in ${VERSIONS:-t523}; do
   if has targets; then
     timeout 240 python3 scripts/issue17_targets.py --reps "${TARGET_REPS:-15}" > "$out/targets_$ver.txt" 2>&1
     tail -12 "$out/targets_$ver.txt"
-    timeout 240 python3 scripts/host_profile.py --cases tiny-eager-43089 --variants stock,async-deferred,async \
+    [ "${TARGETS_PROFILE:-1}" = 0 ] || timeout 240 python3 scripts/host_profile.py --cases tiny-eager-43089 --variants stock,async-deferred,async \
       --outside-forward --top 12 > "$out/outside_forward_$ver.txt" 2>&1
-    grep -E "^===|^case|^tiny" "$out/outside_forward_$ver.txt" | tail -12
+    grep -sE "^===|^case|^tiny" "$out/outside_forward_$ver.txt" | tail -12
+  fi
+  pack
+  if has blog; then
+    timeout 300 python3 scripts/inference_mode_blog.py --reps "${BLOG_REPS:-7}" > "$out/blog_$ver.txt" 2>&1
+    echo "--- blog (exit $?)"; grep -vE "Warning|warn\(" "$out/blog_$ver.txt" | tail -14
   fi
   pack
   if has profile; then
@@ -119,7 +126,7 @@ for tag in ${VERSIONS:-t523}; do
     for seed in ${USAGE_SEEDS:-0}; do
       run=$((run + 1))
       timeout "${USAGE_TIMEOUT:-270}" python3 scripts/usage_fuzz.py --device cuda --draws "${USAGE_DRAWS:-1000}" \
-        --seed "$seed" --workers 8 --shrink 30 --max-failures 5 --json "$out/usage_${ver}_$run.json" \
+        --seed "$seed" --workers "${USAGE_WORKERS:-8}" --shrink 30 --max-failures 5 --json "$out/usage_${ver}_$run.json" \
         > "$out/usage_${ver}_$run.txt" 2>&1
       echo "--- usage run $run (seed $seed)"
       grep -E "^TOTAL|^FAILED|drawn|passed" "$out/usage_${ver}_$run.txt" | tail -12
