@@ -172,9 +172,9 @@ class AsyncStop:
         slot = self.steps & 1
         if self.peers is not None:
             self.last_verdict = verdict  # the peers' all-reduce reads it at the next loop check
-        if self._flags is None:
-            self._flags = [torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=self.cuda) for _ in range(2)]
-            self._views = [flag.numpy() for flag in self._flags]
+        flag = None if self._flags is None else self._flags[slot]
+        if flag is None or flag.shape != verdict.shape or flag.dtype != verdict.dtype:
+            self._make_slot(slot, verdict)
         self._flags[slot].copy_(verdict, non_blocking=True)
         if self._tokens is not None and tokens is not None:
             if self._on_side:
@@ -207,6 +207,15 @@ class AsyncStop:
         self.rng.snapshot()
         return False
 
+    def _make_slot(self, slot: int, verdict: torch.Tensor) -> None:
+        """The pinned copy for `slot`, shaped as this step's verdict: allocated at the first step, and again where a
+        criterion changed the verdict's shape (one answering `(batch, 1)` broadcasts stock's `unfinished_sequences`
+        to `(batch, batch)`). The slot's last verdict has been read by now: no copy into the old one is in flight."""
+        if self._flags is None:
+            self._flags, self._views = [None, None], [None, None]
+        flag = self._flags[slot] = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=self.cuda)
+        self._views[slot] = flag.numpy()
+
     def join(self) -> bool:
         """At a step's logits processors: the main stream waits for the previous step's side-stream work, and the
         host reads the previous step's verdict. True: the flag-off run stopped there, this step is the extra one."""
@@ -236,7 +245,10 @@ class AsyncStop:
                 # step's forward has already run here, and is undone like an extra step (`abort`)
                 self.overran = in_join
                 raise
-        value = self._views[slot].tolist()  # a Python int or list: cheaper to test than a numpy reduction
+        view = self._views[slot]
+        if view.ndim > 1 and self._done_when == "unfinished":
+            return not view.any()  # a broadcast `(batch, batch)` verdict: stock stops when all of it is 0 (`max() == 0`)
+        value = view.tolist()  # a Python int or list: cheaper to test than a numpy reduction
         if self._done_when == "unfinished":
             return not any(value)
         if self._done_when == "finished":

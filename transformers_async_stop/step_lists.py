@@ -149,6 +149,14 @@ def _plan_criterion(criterion) -> int:
     return _CALL
 
 
+def is_user_criterion(criterion) -> bool:
+    """A criterion that is neither transformers' own nor the package's (`assisted.draft.DeviceConfidence`): it may do
+    anything stock lets it do, such as editing `input_ids[:, -1]` in place, which stock's next forward then gets (its
+    input preparation slices `input_ids` after the criteria ran)."""
+    module = type(criterion).__module__
+    return module != StoppingCriteriaList.__module__ and not module.startswith(__package__ + ".")
+
+
 def _last_tokens_are_eos(criterion, input_ids, kwargs):
     """`EosTokenCriteria.__call__` without `torch.isin`: a broadcast compare, the same booleans.
 
@@ -188,20 +196,26 @@ class SideStreamCriteria(_CallCriteria):
     - an exact `EosTokenCriteria` with 10 or more ids is a broadcast compare instead of `torch.isin`, whose sorting
       algorithm reads a device count on the host every step.
     Each shortcut is taken only where the installed source is one we checked (`targets.SHORTCUTS`).
+
+    A call with a user criterion (`is_user_criterion`) runs its criteria on the main stream, in stock's order: the
+    next step's input preparation, queued there after them, reads `input_ids` as they left it (a criterion may edit
+    the last token in place). Only the verdict's read is late.
     """
 
     def __init__(self, criteria: StoppingCriteriaList, ctl):
         super().__init__(criteria, ctl)
         self._plan = [(c, _plan_criterion(c)) for c in criteria] if matches("StoppingCriteriaList.__call__") else None
+        self._side = not any(is_user_criterion(c) for c in criteria)
 
     def __call__(self, input_ids, scores, **kwargs):
         ctl = self._ctl
         if ctl.extra:
             # the step the flag-off run never made: all rows "done", whatever the criteria would say
             return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        if ctl.steps == 0 and ctl.cuda:  # the first step's criteria: called once, before its verdict is recorded
-            ctl.allow_side(_loop_unfinished(sys._getframe(1), input_ids))
-        ctl.to_side(input_ids, scores)
+        if self._side:
+            if ctl.steps == 0 and ctl.cuda:  # the first step's criteria: called once, before its verdict is recorded
+                ctl.allow_side(_loop_unfinished(sys._getframe(1), input_ids))
+            ctl.to_side(input_ids, scores)
         if self._plan is None:
             return super().__call__(input_ids, scores, **kwargs)
         is_done = fold_criteria(self._plan, input_ids.shape[-1], lambda: input_ids, scores, ctl, kwargs)

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ..step_lists import _plan_criterion, plan_processors
+from ..step_lists import _plan_criterion, is_user_criterion, plan_processors
 from ..verified import matches
 from .. import cache_kwarg
 
@@ -38,6 +38,7 @@ class DynamicPlan:
 
     processors: list  # callables (input_ids, scores) -> scores, in order (`_plan_processor`)
     criteria: list  # planned `(criterion, kind)` pairs, folded after each step (`fold_criteria`)
+    user_criteria: bool  # one of them is not transformers' own: it may edit the last token in place
     do_sample: bool
     has_eos: bool  # stock's `has_eos_stopping_criteria`: finished rows get the pad token
     scores: bool  # return the processed scores of each step
@@ -81,6 +82,7 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
     rdig = generation_config.return_dict_in_generate
     return DynamicPlan(
         processors=processors, criteria=[(c, _plan_criterion(c)) for c in stopping_criteria],
+        user_criteria=any(is_user_criterion(c) for c in stopping_criteria),
         do_sample=bool(generation_config.do_sample),
         has_eos=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
         scores=bool(rdig and generation_config.output_scores), logits=bool(rdig and generation_config.output_logits),

@@ -38,6 +38,7 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
     scores = () if plan.scores else None
     raw_logits = () if plan.logits else None
     processors, criteria, do_sample, has_eos = plan.processors, plan.criteria, plan.do_sample, plan.has_eos
+    user_criteria = plan.user_criteria
     unfinished_sequences = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
 
     model_forward = (
@@ -93,6 +94,10 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
                     is_done = fold_criteria(criteria, length, lambda: input_ids, scores, ctl, {})
                     if is_done is not None:
                         unfinished_sequences = unfinished_sequences & ~is_done
+                    if user_criteria:
+                        # a user criterion may have edited the last token in place: stock's next forward gets
+                        # `input_ids[:, -1:].clone()` as the criteria left it (a copy on the device, no read)
+                        column = input_ids[:, -1:].clone()
                 if ctl.record(unfinished_sequences, next_tokens, length):
                     break
     except BaseException:
