@@ -88,6 +88,8 @@ class Guard:
             self._reject("another profiler is set: the call cannot be watched")
             return self.processor(input_ids, scores)
         rec = _Recorder(input_ids)
+        if _tagged(input_ids, scores):  # it may read them (`getattr(scores, "_mark", 0)`) unseen: no proof
+            rec.fail("its inputs carry Python attributes, which it may read and a capture would bake in")
         rec.add_root(("processor", self.processor))
         try:
             with _FunctionWatch(rec), _DispatchWatch(rec):
@@ -99,12 +101,14 @@ class Guard:
         except BaseException:
             self._reject("it raised")
             raise
-        self._conclude(rec, out)
+        self._conclude(rec, out, scores)
         return out
 
-    def _conclude(self, rec, out) -> None:
+    def _conclude(self, rec, out, scores) -> None:
         if not isinstance(out, torch.Tensor) or out is rec.input_ids:
             rec.fail(f"it returned {'input_ids' if out is rec.input_ids else type(out).__name__}, not new scores")
+        elif _tagged(rec.input_ids, scores, out):  # a replay sets no attribute: stock's fresh tensors would carry it
+            rec.fail("it set a Python attribute on a tensor it was given or returns (`scores._mark = ...`)")
         snapshot = rec.snapshot
         try:
             if rec.reason is None and not snapshot.holds():
@@ -130,6 +134,12 @@ class Guard:
             return self._snapshot.holds()
         except Exception:  # a fingerprint that cannot be taken any more: changed
             return False
+
+
+def _tagged(*tensors) -> bool:
+    """Whether any of these tensors has Python attributes (a `__dict__` entry), which no fingerprint of the call
+    covers: attribute reads and writes on a tensor run no Python and no torch function the instruments could see."""
+    return any(isinstance(t, torch.Tensor) and t.__dict__ for t in tensors)
 
 
 def _nested_in(code, outer) -> bool:

@@ -36,6 +36,8 @@ _HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__"
                "is_nonzero", "is_set_to", "_version", "__setstate__", "pin_memory",
                # not host reads, but changes to a tensor's fields that no replay would repeat
                "requires_grad_", "retain_grad", "register_hook", "share_memory_", "record_stream"}
+# a tensor's C fields that hold other objects, which user code may rebind between steps unseen by any fingerprint
+_C_FIELDS = {"grad", "_grad", "grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks"}
 _INPUT_IDS_METADATA = {"device", "dtype", "ndim", "dim", "is_cuda", "__len__"}
 _FROM_HOST = {"tensor", "as_tensor", "asarray", "from_numpy", "frombuffer", "scalar_tensor"}
 _METADATA_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_contiguous",
@@ -167,6 +169,8 @@ class _Recorder:
             name = getattr(getattr(func, "__self__", None), "__name__", name)
         if name in _HOST_READS:
             return self.fail(f"it reads the host ({name})")
+        if name in _C_FIELDS:
+            return self.fail(f"it reads a tensor's {name}, which may be rebound between steps")
         if name in _FROM_HOST and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "cpu":
             return self.fail(f"it sends host data to the device ({name}): a CUDA graph cannot replay that copy")
         if any(leaf is self.input_ids for leaf in tree_leaves((args, kwargs))) and not (
@@ -215,6 +219,19 @@ class _Recorder:
                     if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() not in self.fresh:
                         return self.fail(f"it writes in place ({name}) a tensor it did not create in the call")
 
+    def check_draw(self, func, args, kwargs, out) -> None:
+        """A random op may be captured only if it draws from the default generator of the device the graph is
+        captured on: the one CUDA generator a graph registers and advances at each replay. A draw from the CPU
+        generator (`torch.rand(())` as a jitter) would be made once at capture and its value baked in."""
+        if torch.Tag.nondeterministic_seeded not in func.tags and not any(
+                a.name == "generator" for a in func._schema.arguments):
+            return
+        device = self.input_ids.device
+        for t in tree_leaves((args, kwargs, out)):
+            if isinstance(t, torch.Tensor) and (t.device.type != "cuda" or t.device != device):
+                name = func._schema.name.split("::")[-1]
+                return self.fail(f"it draws ({name}) from the {t.device.type} generator, not the graph's device's")
+
     def note_fresh(self, func, out) -> None:
         if func._schema.name != "aten::lift_fresh" and any(r.alias_info is not None for r in func._schema.returns):
             return  # a view or an in-place result: no new memory
@@ -262,6 +279,8 @@ class _DispatchWatch(TorchDispatchMode):
             try:
                 if rec.reason is None:
                     rec.check_op(func, args, kwargs)
+                if rec.reason is None:
+                    rec.check_draw(func, args, kwargs, out)
                 rec.note_fresh(func, out)
             except Exception as error:
                 rec.fail(f"the watch failed ({type(error).__name__}: {error})")

@@ -80,6 +80,7 @@ class _Snapshot:
             if v.is_cpu and v.numel() > _CPU_VALUES:
                 raise _Unprovable("it holds a large CPU tensor, whose values a capture could bake in")
             self._node(_fp_tensor, v)
+            self._own(v.__dict__)  # Python attributes on a tensor (`t.count = 0`): state like an object's
         elif isinstance(v, tuple) and not hasattr(v, "__dict__") and not _slots(t):  # immutable: ids in its parent
             self.freeze(t)
             for item in v:
@@ -215,9 +216,11 @@ def _fp_object(o):
 
 def _fp_tensor(t):
     # the graph reads device memory live: only where and how it reads must stay. A CPU tensor's values are baked
-    # into the launches at capture (a 0-dim operand), so they are compared too (`.data` writes skip `_version`)
+    # into the launches at capture (a 0-dim operand), so they are compared too (`.data` writes skip `_version`).
+    # Its Python attributes are Python state (a counter kept as `t.count`): their ids, as for an object's `__dict__`
+    d = t.__dict__
     return (t.dtype, t.device, t.shape, t.stride(), t.storage_offset(), t.untyped_storage().data_ptr(),
-            t.tolist() if t.is_cpu else None)
+            t.tolist() if t.is_cpu else None, id(d), _ids(d))
 
 
 def _walk_path(globs, builtins_, path):
