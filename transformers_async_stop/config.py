@@ -12,7 +12,7 @@ import os
 import warnings
 import weakref
 
-from . import path_report
+from . import path_report, release_notice
 from .call_state import active_draft
 
 FIELD = "async_stopping_criteria"
@@ -41,6 +41,7 @@ def runs_stock(generation_config, device, why_stock, method: str | None = None) 
     if not flag_of(generation_config):
         path_report.decided(method, path_report.FLAG_OFF, deferred=False)
         return True
+    release_notice.check()  # a release the package was not checked against: said once per process
     if getattr(generation_config, "is_assistant", False) and active_draft() is None:
         return True  # an assistant's own loop inside stock assisted decoding runs stock silently: the caller warned
     if device.type != "cuda" and not force_deferred():

@@ -48,6 +48,7 @@ class CallPath:
     graphs: int = 0
     method: str | None = None
     loop: str | None = None
+    notice: str | None = None  # this transformers release was not checked: the fast paths off (`release_notice`)
 
     def describe(self) -> str:
         """One line: "deferred, static loop, tail captured (2 graphs)", "stock: CPU", "stock: flag off"."""

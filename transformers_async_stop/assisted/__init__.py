@@ -17,6 +17,7 @@ can forbid candidates.
 
 from __future__ import annotations
 
+from .. import cache_kwarg
 from ..call_state import CALL
 from .. import path_report
 from ..config import _mark, runs_stock, warn_stock
@@ -61,10 +62,16 @@ def patched_get_candidate_generator(original, target):
 
 
 def _preamble(model, port, generation_config, model_kwargs) -> None:
-    """Copied from transformers v4.57.6-v5.23.0 `_assisted_decoding` (its checks before the candidate generator,
-    per `port`). Differences: none."""
+    """Copied from transformers v4.57.6-v5.24.0 `_assisted_decoding` (its checks before the candidate generator,
+    per `port`; 5.24 drops the `use_cache` check and the static-cache refusal). Differences: none."""
     from transformers import StaticCache
 
+    if port.decode_compiled:
+        past = cache_kwarg.get(model_kwargs)
+        if past is None:
+            raise RuntimeError("Assisted decoding requires a cache")
+        past.activate_past_recording()
+        return
     if not model_kwargs["use_cache"]:
         raise ValueError("assisted generate requires `use_cache=True`")
     past = model_kwargs.get("past_key_values")

@@ -5,7 +5,7 @@ replacement relies on. At runtime targets are found by feature detection (`hasat
 the release ranges are documentation, and the drift test (`tests/test_patching.py`) checks them against the
 installed transformers so that a renamed or re-signed target fails loudly in CI instead of silently unpatching.
 
-Releases read for this table: 4.57.6 and the newest patch of every 5.x minor from 5.0 to 5.23 (presence and
+Releases read for this table: 4.57.6 and the newest patch of every 5.x minor from 5.0 to 5.24 (presence and
 parameters of every target, and the source digests of every shortcut, were recorded for each of them; CI runs the
 drift test on all of them, see noxfile.py).
 

@@ -16,7 +16,8 @@ class Target:
     owner: str | None  # class name inside `module`, or None for a module-level function
     attr: str
     factory: str  # "submodule:function" in this package that builds the replacement from the original
-    params: tuple[str, ...] = ()  # parameter names the replacement relies on (checked by the drift test)
+    # parameter names the replacement relies on (checked by the drift test); "a|b": either name (a rename)
+    params: tuple[str, ...] = ()
     present: str = "4.57+"  # releases it exists in: "4.57+", "4.57-5.2", "5.17+" (release = major.minor)
     required: bool = True  # missing while expected -> logged as a warning (else: info)
     why: str = ""
@@ -117,7 +118,7 @@ TARGETS: tuple[Target, ...] = (
     Target(
         "generation.utils.create_masks_for_generate", _GEN, None, "create_masks_for_generate",
         "static_mask:patched_create_masks_for_generate", present="4.57+", required=False,
-        params=("config", "attention_mask", "past_key_values"),
+        params=("config", "attention_mask", "past_key_values|cache"),  # 5.24 renames it `cache`
         why="with a static cache, ~20 kernels and a long Python chain build the same decode-step mask every step; "
             "with the flag (5.17+) a per-call plan builds it in two (`SHORTCUTS`: 'static decode mask')",
     ),
