@@ -1,7 +1,8 @@
-"""Test sessions. `nox -s tests releases floor` runs the three (CI runs exactly that, see .ci/run and README.md).
+"""Test sessions. `nox -s tests releases floor` runs the three (CI runs exactly that, see .ci/run and README.md);
+`nox -s newest` is the porting check for a new transformers release, run by hand (see `newest`).
 
 - `tests`: the whole suite, one fresh virtualenv per release, on the releases named in README.md:
-  4.57.6, 5.0.0, 5.17.0 and 5.23.0.
+  4.57.6, 5.0.0, 5.17.0, 5.23.0 and 5.24.0.
 - `releases`: the newest patch of every minor in between (5.1 ... 5.22), quickly: the drift test
   (tests/test_patching.py) plus the tests marked `core` (see pytest.ini). The releases share one virtualenv
   (.nox/_releases/base: torch, accelerate, pytest, parameterized, this package) and each release is installed, with
@@ -30,7 +31,7 @@ import nox.command
 TORCH = "2.13.0"
 TORCH_FLOOR = "2.6.0"  # setup.py's `torch>=2.6`: transformers 5.x's own floor; keep the two in step
 # The whole suite runs on these (keep in step with README.md, "Supported transformers releases").
-TRANSFORMERS = ["4.57.6", "5.0.0", "5.17.0", "5.23.0"]
+TRANSFORMERS = ["4.57.6", "5.0.0", "5.17.0", "5.23.0", "5.24.0"]
 # The newest patch release of every minor between them (`pip index versions transformers`), drift + core tests only.
 RELEASES = [
     "5.1.0", "5.2.0", "5.3.0", "5.4.0", "5.5.4", "5.6.2", "5.7.0", "5.8.1", "5.9.0", "5.10.4", "5.11.0",
@@ -89,6 +90,31 @@ def floor(session):
     session.run("python", *PYTEST, "tests/test_patching.py", *session.posargs, env=TEST_ENV)
     session.run("python", *PYTEST, "tests", "-m", "core", "--ignore=tests/test_patching.py", *session.posargs,
                 env=TEST_ENV)
+
+
+@nox.session
+def newest(session):
+    """The porting check, run by hand the day a transformers release appears (not in `.ci/run`: an upstream release
+    never blocks a landing): the newest transformers and torch from the package index (torch with its CUDA
+    libraries), the drift test, the core tests, and the porting report (scripts/drift_report.py). Fails when
+    anything needs porting; the report is printed either way."""
+    session.install("--no-compile", "--upgrade", "torch", "transformers", *TEST_DEPS)
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-c", "import torch, transformers; print('torch', torch.__version__, '| transformers', "
+                "transformers.__version__)")
+    failed = []
+    for label, args, codes in (("drift (tests/test_patching.py)", ["tests/test_patching.py"], [0]),
+                               ("core (-m core)", ["tests", "-m", "core", "--ignore=tests/test_patching.py"], [0, 5])):
+        try:
+            session.run("python", *PYTEST, *args, *session.posargs, env=TEST_ENV, success_codes=codes)
+        except nox.command.CommandFailed:
+            failed.append(label)
+    try:
+        session.run("python", "scripts/drift_report.py", env=TEST_ENV)
+    except nox.command.CommandFailed:
+        failed.append("the porting report (scripts/drift_report.py: something to port)")
+    if failed:
+        session.error("to port: " + "; ".join(failed))
 
 
 # --- the shared environment of `releases` -------------------------------------------------------------------------
