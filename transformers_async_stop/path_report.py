@@ -48,6 +48,8 @@ class CallPath:
     graphs: int = 0
     method: str | None = None
     loop: str | None = None
+    # the dynamic loop's decode forward: "graphed (N pieces): ..." (`piecewise/`) or "eager: <why>"; None elsewhere
+    forward: str | None = None
     notice: str | None = None  # this transformers release was not checked: the fast paths off (`release_notice`)
 
     def describe(self) -> str:

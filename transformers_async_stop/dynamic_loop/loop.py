@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import cache_kwarg, path_report
+from .. import cache_kwarg, path_report, piecewise
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
 from .inputs import DecodeInputs
@@ -46,6 +46,8 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
         if model._valid_auto_compile_criteria(model_kwargs, generation_config)
         else model.__call__
     )
+    # the decode steps' forward: replayed from CUDA graphs piece by piece where `piecewise` proves it exact
+    forward = piecewise.forward_for(model, model_forward, generation_config) or model_forward
     outputs = model._prefill(input_ids, generation_config, model_kwargs,
                              is_first_iteration=not generation_config.is_assistant)
     step_inputs = None  # made at the first decode step; None while stock prepares the inputs
@@ -63,7 +65,7 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
                     else:
                         model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1,
                                                                            **model_kwargs)
-                    outputs = model_forward(**model_inputs, return_dict=True)
+                    outputs = forward(**model_inputs, return_dict=True)
                 if step_inputs is None:
                     # the prefill's, and every step's where the inputs are stock's: the patched update also plans
                     # the controller's cache (`masking.patched_update_model_kwargs`)

@@ -14,6 +14,10 @@ computes itself, taken only where the installed source has a digest listed there
 """
 
 from .patches import TARGETS, Target, present_in
-from .shortcuts import SHORTCUTS, Shortcut
+from .piecewise_rows import PIECEWISE_SHORTCUTS
+from .shortcuts import SHORTCUTS as _SHORTCUTS
+from .shortcuts import Shortcut
+
+SHORTCUTS = _SHORTCUTS + PIECEWISE_SHORTCUTS  # the piecewise forward's rows live in their own file
 
 __all__ = ["SHORTCUTS", "TARGETS", "Shortcut", "Target", "present_in"]

@@ -1,0 +1,156 @@
+"""Side-by-side timing and equality of the piecewise-graphed decode forward (issue 27), on one CUDA device.
+
+    PYTHONPATH=.:tests python3 scripts/piecewise_check.py [--quick]
+
+For each case: unpatched transformers ("stock"), the flag with the eager forward ("flag"), and the flag with the
+piecewise-graphed forward ("piecewise"), in the same process, alternating. Prints ms/token (median of the timed
+calls, after one warm-up call each; the piecewise warm-up is the first call, which records, timed separately),
+whether sequences (and, for one call each, every step's logits) are bit-identical to stock, `last_path().forward`,
+the recording's capture time and the memory the recordings keep. Cases: transformers #43089's tiny Llama as written
+(its processor and criterion, fp32, b1, 64 tokens), and a Llama-1B-shaped bf16 model from config (b1 greedy, b1
+sampling, left-padded b8 greedy; 128 tokens).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList, StoppingCriteriaList
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import transformers_async_stop as tas  # noqa: E402
+from transformers_async_stop.bench.cases import (  # noqa: E402
+    AlwaysPassStoppingCriteria,
+    ExtraSoftmaxLogitsProcessor,
+    llama_1b_config,
+    tiny_llama_config,
+)
+from transformers_async_stop.piecewise import eligibility, forward  # noqa: E402
+
+ENV = eligibility.PIECEWISE_ENV
+
+
+def build(config, dtype):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(dtype)
+    return model.eval()
+
+
+def run(model, ids, mask, mode, seed=0, **kwargs):
+    """One generate() call in `mode`; (output, seconds)."""
+    extra = {}
+    if mode == "stock":
+        tas.unpatch()
+    else:
+        extra["async_stopping_criteria"] = True
+        os.environ[ENV] = "1" if mode == "piecewise" else "0"
+    try:
+        torch.manual_seed(seed)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kwargs, **extra)
+        torch.cuda.synchronize()
+        return out, time.perf_counter() - started
+    finally:
+        if mode == "stock":
+            tas.apply()
+
+
+def case(name, model, ids, mask, new_tokens, reps, **kwargs):
+    kwargs = dict(max_new_tokens=new_tokens, pad_token_id=0, **kwargs)
+    result = {"case": name}
+    # equality, every step's logits included, and the first (recording) call of the piecewise forward
+    ref, _ = run(model, ids, mask, "stock", return_dict_in_generate=True, output_logits=True, **kwargs)
+    allocated = torch.cuda.memory_allocated()
+    on, first = run(model, ids, mask, "piecewise", return_dict_in_generate=True, output_logits=True, **kwargs)
+    path = tas.last_path()
+    result["forward"] = path.forward if path is not None else None
+    recordings = list(forward.graphs_of(model).recordings.values())
+    result["capture_s"] = [round(r.capture_seconds, 4) for r in recordings]
+    result["first_call_s"] = round(first, 4)
+    result["logits_equal"] = (len(ref.logits) == len(on.logits)
+                              and all(torch.equal(a, b) for a, b in zip(ref.logits, on.logits)))
+    result["sequences_equal"] = torch.equal(ref.sequences, on.sequences)
+    result["cache_equal"] = all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                                and b.keys.is_contiguous() for a, b in zip(ref.past_key_values.layers,
+                                                                            on.past_key_values.layers))
+    del ref, on
+    gc.collect()
+    result["kept_by_recordings_MiB"] = round((torch.cuda.memory_allocated() - allocated) / 2**20, 2)
+    times = {mode: [] for mode in ("stock", "flag", "piecewise")}
+    outs = {}
+    for mode in times:  # warm-up
+        outs[mode], _ = run(model, ids, mask, mode, **kwargs)
+    for _ in range(reps):
+        for mode in times:
+            out, seconds = run(model, ids, mask, mode, **kwargs)
+            times[mode].append(seconds)
+            if not torch.equal(out, outs["stock"]):
+                result.setdefault("mismatch", []).append(mode)
+    generated = outs["stock"].shape[1] - ids.shape[1]
+    for mode, values in times.items():
+        result[f"{mode}_ms_per_token"] = round(statistics.median(values) * 1000 / generated, 3)
+        result[f"{mode}_all_ms_per_token"] = [round(v * 1000 / generated, 3) for v in values]
+    result["tokens"] = generated
+    result["last_forward"] = tas.last_path().forward
+    return result
+
+
+def guarded(results, name, *args, **kwargs):
+    try:
+        results.append(case(name, *args, **kwargs))
+        print(json.dumps(results[-1]), flush=True)
+    except Exception:  # one case's failure must not hide the others'
+        import traceback
+
+        traceback.print_exc()
+
+
+def main():
+    quick = "--quick" in sys.argv
+    results = []
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "transformers",
+          __import__("transformers").__version__, flush=True)
+
+    tiny = build(tiny_llama_config(), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 256, (1, 8), generator=g).cuda()
+    guarded(results, "issue-43089 as written (fp32 b1)", tiny, ids, torch.ones_like(ids), 64, 5,
+            logits_processor=LogitsProcessorList([ExtraSoftmaxLogitsProcessor()]),
+            stopping_criteria=StoppingCriteriaList([AlwaysPassStoppingCriteria()]), do_sample=False)
+    del tiny
+    if not quick:
+        big = build(llama_1b_config(), torch.bfloat16)
+        ids = torch.randint(3, 32000, (1, 32), generator=g).cuda()
+        for name, kwargs in (("llama-1b bf16 b1 greedy", dict(do_sample=False, eos_token_id=None)),
+                             ("llama-1b bf16 b1 sample", dict(do_sample=True, top_k=0, top_p=1.0, eos_token_id=None))):
+            guarded(results, name, big, ids, torch.ones_like(ids), 128, 2, **kwargs)
+        ids8 = torch.randint(3, 32000, (8, 32), generator=g).cuda()
+        mask8 = torch.ones_like(ids8)
+        for row in range(8):
+            mask8[row, :row * 3] = 0
+            ids8[row, :row * 3] = 0
+        guarded(results, "llama-1b bf16 b8 left-padded greedy", big, ids8, mask8, 128, 2, do_sample=False,
+                eos_token_id=None)
+
+    print()
+    print(f"{'case':40s} {'stock':>8s} {'flag':>8s} {'piecewise':>9s}  equal  capture_s  forward")
+    for r in results:
+        equal = r["sequences_equal"] and r["logits_equal"] and r["cache_equal"] and "mismatch" not in r
+        print(f"{r['case']:40s} {r['stock_ms_per_token']:8.3f} {r['flag_ms_per_token']:8.3f} "
+              f"{r['piecewise_ms_per_token']:9.3f}  {str(equal):5s}  {r['capture_s']}  {r['forward']}")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "piecewise_timing.json"), "w") as handle:
+            json.dump(results, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

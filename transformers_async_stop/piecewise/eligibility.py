@@ -1,0 +1,167 @@
+"""Which models and calls the piecewise-graphed forward takes, decided once per call: a reason, or None.
+
+A replay runs no Python of the model's forward: every decision the forward makes in Python is baked into the graphs at
+the recording. So the path is taken only where each such decision is one the package has read and knows does not
+change with the length or the step (the sources behind `targets.SHORTCUTS` "piecewise forward (<family>)"):
+
+- one of the families read (Llama, Mistral, Qwen2, Qwen3), exactly their causal LM and base classes, full attention
+  only (no sliding window: its mask and its cache change with the length), SDPA from transformers' own registry;
+- a rotary embedding without per-length state (`dynamic`/`longrope` update their frequencies from the positions);
+- no hook anywhere in the model and no instance-level `forward` (accelerate's wrappers, offloading, user hooks, and
+  the output-capturing hooks transformers installs once attentions or hidden states were asked for), not training,
+  no gradient and no autocast (their state is read in Python per op);
+- every parameter and buffer a plain tensor on the model's one CUDA device: no `device_map` across devices, no
+  tensor parallelism (DTensor parameters, `tp_size`), no process group, no quantized weights (`hf_quantizer`), no
+  meta (offloaded) tensors;
+- a forward that is the model's own `__call__` (not compiled), and a `DynamicCache` of `DynamicLayer`s.
+Everything else keeps the eager forward, and `last_path().forward` says why.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from ..call_state import compiling
+from ..verified import matches
+
+PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"
+
+# base model class -> (family, modeling module, causal LM class)
+FAMILIES = {
+    "LlamaModel": ("llama", "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
+    "MistralModel": ("mistral", "transformers.models.mistral.modeling_mistral", "MistralForCausalLM"),
+    "Qwen2Model": ("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
+    "Qwen3Model": ("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
+}
+# rope types whose frequencies are fixed at init (the `dynamic_rope_update` decorator does nothing for them)
+STATIC_ROPE = frozenset(("default", "linear", "llama3", "yarn"))
+
+
+# taken unless `TRANSFORMERS_ASYNC_STOP_PIECEWISE=0`; while False, only with `TRANSFORMERS_ASYNC_STOP_PIECEWISE=1`
+DEFAULT_ON = False
+
+
+def why_off() -> str | None:
+    """Why the environment keeps the path off (None: on)."""
+    value = os.environ.get(PIECEWISE_ENV, "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return f"{PIECEWISE_ENV}={value}"
+    if value in ("1", "true", "yes", "on") or DEFAULT_ON:
+        return None
+    return f"off by default ({PIECEWISE_ENV}=1 turns it on)"
+
+
+def base_of(model):
+    return getattr(model, getattr(model, "base_model_prefix", ""), None)
+
+
+def why_not_model(model, model_forward) -> str | None:
+    """Why this model's decode forward cannot be replayed piecewise (None: it can), from what holds for a whole call.
+    The device comes last, so every other reason is also told on the CPU."""
+    off = why_off()
+    if off is not None:
+        return off
+    if compiling():
+        return "inside torch.compile"
+    if model_forward != model.__call__:
+        return "a compiled forward"
+    base = base_of(model)
+    family = FAMILIES.get(type(base).__name__) if base is not None else None
+    if family is None:
+        return f"model family {type(model).__name__} not proven"
+    name, module_name, causal_lm = family
+    module = sys.modules.get(module_name)
+    if (module is None or type(base) is not getattr(module, type(base).__name__, None)
+            or type(model) is not getattr(module, causal_lm, None)):
+        return f"{type(model).__name__} is not transformers' own {causal_lm}"
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"attention implementation {getattr(config, '_attn_implementation', None)!r} (only sdpa is proven)"
+    if not getattr(config, "is_causal", True):
+        return "not a causal model"
+    if getattr(config, "sliding_window", None) is not None and (
+            name == "mistral" or getattr(config, "use_sliding_window", True)):
+        return "sliding-window attention"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return "layers other than full attention"
+    rotary = getattr(base, "rotary_emb", None)
+    rope = getattr(rotary, "rope_type", None)
+    if rope not in STATIC_ROPE:
+        return f"rope type {rope!r} has per-length state"
+    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
+        return "quantized weights"
+    if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
+        return "device_map across devices"
+    if getattr(model, "tp_size", None) or getattr(model, "_device_mesh", None) is not None:
+        return "tensor parallelism"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "a process group (distributed)"
+    if model.training:
+        return "training mode"
+    if torch.is_grad_enabled():
+        return "gradients enabled"
+    why = why_not_tensors(model)
+    if why is not None:
+        return why
+    why = why_observed(model)
+    if why is not None:
+        return why
+    if not matches(f"piecewise forward ({name})"):
+        return f"transformers' {name} sources are not the ones read"
+    device = model.get_input_embeddings().weight.device
+    if device.type != "cuda":
+        return f"not CUDA ({device.type})"
+    return None
+
+
+def why_not_tensors(model) -> str | None:
+    """Every parameter and buffer a plain (not DTensor, not meta, not quantized) tensor on one device."""
+    devices = set()
+    for tensor in _tensors(model):
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            return f"a {type(tensor).__name__} parameter (tensor parallelism or quantization)"
+        if tensor.is_meta:
+            return "offloaded (meta) weights"
+        devices.add(tensor.device)
+    if len(devices) > 1:
+        return "weights on several devices"
+    return None
+
+
+def why_observed(model) -> str | None:
+    """A hook or an instance-level forward anywhere would see (or change) what a replay skips."""
+    hooks = torch.nn.modules.module
+    if (hooks._global_forward_pre_hooks or hooks._global_forward_hooks or hooks._global_backward_hooks
+            or getattr(hooks, "_global_backward_pre_hooks", None)):
+        return "a global module hook"
+    for module in model.modules():
+        if _has_hooks(module):
+            return f"a hook on {type(module).__name__}"
+        if "forward" in module.__dict__:
+            return f"a wrapped forward on {type(module).__name__}"
+    return None
+
+
+def _has_hooks(module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None))
+
+
+def _tensors(model):
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def why_not_cache(cache) -> str | None:
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    if type(cache) is not DynamicCache or getattr(cache, "is_compileable", False):
+        return f"a {type(cache).__name__}"
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return "cache layers other than DynamicLayer"
+    if "update" in cache.__dict__:
+        return "a cache with its own update"
+    return None

@@ -1,0 +1,242 @@
+"""The per-call forward of the dynamic-cache loop that replays a model's recorded pieces, and the per-model store.
+
+Per step, before any replay, it checks what a replay would otherwise get wrong, and runs the eager forward (the
+model's own) where it cannot replay:
+- the step's inputs: only `input_ids` / `position_ids` (one column), the cache, `use_cache`, `logits_to_keep`,
+  `return_dict`, and a mask whose effect on the attention is known on the host (`_attention_mask`);
+- staleness: a module, parameter or buffer replaced, or its storage moved (`.to()`, `.data =`, a dtype change): the
+  model's recordings are dropped and the step records again; a hook or a wrapped forward added, training mode, an
+  attention implementation other than SDPA: the rest of the call runs eagerly;
+- the key of the recording (batch size, dtypes, device, mask kind, `logits_to_keep`, the matmul precision flags a
+  captured kernel was chosen under): a new key records once (at most `MAX_KEYS` per model, least recently used out).
+Recordings are kept per model in a `WeakKeyDictionary` whose values hold no reference to the model: they are freed
+with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+
+import torch
+
+from .. import masking, path_report
+from . import eligibility
+from .graphs import NotRecordable, record
+
+MAX_KEYS = 4  # recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
+_STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STORE_LOCK = threading.Lock()
+_INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache",
+                     "logits_to_keep", "return_dict"))
+
+
+class ModelGraphs:
+    """One model's recordings, and the state of the model they were made from (no reference to the model itself)."""
+
+    def __init__(self):
+        self.recordings: collections.OrderedDict = collections.OrderedDict()
+        self.failed: dict = {}  # key -> why its recording failed (not tried again while the model is unchanged)
+        self.entries: list = []  # (owner dict, name, object): every submodule, parameter and buffer as recorded
+        self.tensors: list = []
+        self.pointers: list = []
+        self.pool = None
+
+    def clear(self) -> None:
+        self.recordings.clear()
+        self.failed.clear()
+        self.entries, self.tensors, self.pointers = [], [], []
+        self.pool = None
+
+    def snapshot(self, model) -> None:
+        entries, tensors = [], []
+        for module in model.modules():
+            for name, child in module._modules.items():
+                entries.append((module._modules, name, child))
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    entries.append((table, name, tensor))
+                    if tensor is not None:
+                        tensors.append(tensor)
+        self.entries, self.tensors = entries, tensors
+        self.pointers = [tensor.data_ptr() for tensor in tensors]
+
+    def changed(self) -> bool:
+        for table, name, value in self.entries:
+            if table.get(name) is not value:
+                return True
+        return [tensor.data_ptr() for tensor in self.tensors] != self.pointers
+
+
+def graphs_of(model) -> ModelGraphs:
+    with _STORE_LOCK:
+        graphs = _STORE.get(model)
+        if graphs is None:
+            graphs = _STORE[model] = ModelGraphs()
+        return graphs
+
+
+class PiecewiseForward:
+    """`model_forward` for one call of the dynamic-cache loop (see the module docstring)."""
+
+    def __init__(self, model, model_forward, report):
+        self.model, self.eager, self.report = model, model_forward, report
+        self.graphs = graphs_of(model)
+        base = eligibility.base_of(model)
+        self.modules = [layer.self_attn for layer in base.layers[: model.config.num_hidden_layers]]
+        every = list(model.modules())
+        self.hook_tables = [table for module in every for table in (
+            module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
+            getattr(module, "_backward_pre_hooks", {}))]
+        self.module_dicts = [module.__dict__ for module in every]
+        self.every = every
+        self.device = model.get_input_embeddings().weight.device
+        self.off = None  # why the rest of the call runs eagerly
+        self.replayed = self.eager_steps = 0
+        self.last_eager = None
+
+    def __call__(self, **inputs):
+        if self.off is None:
+            why = self._why_not_observed()
+            if why is not None:
+                self.off = why
+        if self.off is not None:
+            return self._eager(self.off, inputs)
+        mask, key, why = self._step(inputs)
+        if why is not None:
+            return self._eager(why, inputs)
+        graphs = self.graphs
+        if graphs.recordings and graphs.changed():
+            graphs.clear()  # weights replaced or moved: every recording of this model is stale
+        recording = graphs.recordings.get(key)
+        if recording is not None:
+            graphs.recordings.move_to_end(key)
+            return self._replayed(recording.replay(inputs["past_key_values"], inputs["input_ids"],
+                                                   inputs["position_ids"], mask, self._attention(), self.modules))
+        if key in graphs.failed:
+            return self._eager(graphs.failed[key], inputs)
+        return self._record(key, mask, inputs)
+
+    def _record(self, key, mask, inputs):
+        graphs = self.graphs
+        if not graphs.recordings:
+            graphs.clear()
+            graphs.snapshot(self.model)
+        forward_inputs = {name: value for name, value in inputs.items() if name != "return_dict"}
+        forward_inputs["return_dict"] = True
+        try:
+            made = record(self.model, self.eager, forward_inputs, inputs["past_key_values"], self.modules, mask,
+                          "sdpa", graphs.pool)
+        except NotRecordable as error:
+            graphs.failed[key] = f"not recordable: {error}"
+            return self._eager(graphs.failed[key], inputs)
+        except Exception as error:  # a capture the device refused (a host read inside the forward, say)
+            graphs.failed[key] = f"capture failed ({type(error).__name__}: {error})"
+            return self._eager(graphs.failed[key], inputs)
+        if made is None:
+            return self._eager("another thread is inside generate()", inputs)
+        recording, outputs = made
+        graphs.pool = recording.pool
+        graphs.recordings[key] = recording
+        while len(graphs.recordings) > MAX_KEYS:
+            graphs.recordings.popitem(last=False)
+        return self._replayed(outputs)
+
+    def _replayed(self, outputs):
+        self.replayed += 1
+        self._note()
+        return outputs
+
+    def _eager(self, why, inputs):
+        self.eager_steps += 1
+        if why != self.last_eager or self.replayed == 0:
+            self.last_eager = why
+            self._note()
+        return self.eager(**inputs)
+
+    def _note(self) -> None:
+        report = self.report
+        if report is None:
+            return
+        if self.replayed:
+            pieces = len(self.modules) + 1
+            tail = f"; {self.eager_steps} eager: {self.last_eager}" if self.eager_steps else ""
+            report.forward = f"graphed ({pieces} pieces): {self.replayed} decode steps{tail}"
+        else:
+            report.forward = f"eager: {self.last_eager}"
+
+    def _attention(self):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+
+    def _why_not_observed(self) -> str | None:
+        hooks = torch.nn.modules.module
+        if any(map(len, self.hook_tables)) or hooks._global_forward_pre_hooks or hooks._global_forward_hooks:
+            return "a hook was added"
+        if any("forward" in table for table in self.module_dicts):
+            return "a forward was wrapped"
+        if any(module.training for module in self.every):
+            return "training mode"
+        if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
+            return "the attention implementation changed"
+        return None
+
+    def _step(self, inputs):
+        """(the attention's mask, the recording key, None), or (None, None, why this step runs eagerly)."""
+        if not _INPUTS.issuperset(inputs) or inputs.get("return_dict", True) is not True:
+            return None, None, "inputs the recording does not take"
+        ids, positions, cache = inputs.get("input_ids"), inputs.get("position_ids"), inputs.get("past_key_values")
+        keep = inputs.get("logits_to_keep", 0)
+        if not (_column(ids, self.device) and _column(positions, self.device)
+                and positions.shape[0] == ids.shape[0]):
+            return None, None, "not a one-token decode step"
+        if inputs.get("use_cache", True) is not True or type(keep) is not int:
+            return None, None, "inputs the recording does not take"
+        why = eligibility.why_not_cache(cache)
+        if why is not None:
+            return None, None, why
+        if len(cache.layers) != len(self.modules) or not cache.layers[0].is_initialized:
+            return None, None, "a cache not filled by this model's prefill"
+        mask, why = _attention_mask(inputs.get("attention_mask"), ids.shape[0], cache)
+        if why is not None:
+            return None, None, why
+        if torch.is_grad_enabled() or torch.is_autocast_enabled():
+            return None, None, "gradients or autocast enabled"
+        matmul = torch.backends.cuda.matmul
+        key = (ids.shape[0], ids.dtype, positions.dtype, self.device, mask is None, keep,
+               self.model.get_input_embeddings().weight.dtype, torch.get_float32_matmul_precision(),
+               matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
+               matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32)
+        return mask, key, None
+
+
+def _column(tensor, device) -> bool:
+    return (isinstance(tensor, torch.Tensor) and type(tensor) is torch.Tensor and tensor.dim() == 2
+            and tensor.shape[1] == 1 and tensor.dtype == torch.long and tensor.device == device)
+
+
+def _attention_mask(mask, batch: int, cache):
+    """What stock's `create_causal_mask` hands the attention at this decode step, known on the host: (mask, None),
+    or (None, why the step runs eagerly).
+
+    - a 4D mask (the loop's grown mask, `dynamic_loop/wide_mask.py`) is returned as it is;
+    - no mask, or a 2D mask of ones (the call's host summary says the prompt has no padding and no zero column was
+      added), gives None on SDPA's decode step (`_ignore_causal_mask_sdpa`: no padding and one query);
+    - anything else (a padded 2D mask: stock builds the 4D mask inside the forward) is left to the eager forward."""
+    if mask is None:
+        return None, None
+    if not isinstance(mask, torch.Tensor) or type(mask) is not torch.Tensor:
+        return None, "a mask the recording does not take"
+    if mask.dim() == 4:
+        if (mask.dtype == torch.bool and mask.shape[0] == batch and mask.shape[1:3] == (1, 1)
+                and mask.shape[3] == cache.get_seq_length() + 1):
+            return mask, None
+        return None, "a 4D mask other than the decode step's"
+    if mask.dim() == 2:
+        tag = masking._tag_of(mask)
+        if tag is not None and not tag[0].padded and tag[1] == mask.shape[-1]:
+            return None, None
+        return None, "a padded 2D mask (the model builds its 4D mask this step)"
+    return None, "a mask the recording does not take"
