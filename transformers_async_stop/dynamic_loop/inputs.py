@@ -41,7 +41,7 @@ _ADVANCED = frozenset(("input_ids", "position_ids", "attention_mask"))
 class DecodeInputs:
     """The decode-step inputs of one loop; `next(tokens)` turns step t's into step t+1's."""
 
-    __slots__ = ("inputs", "positions", "mask", "ones", "summary", "state", "wide", "wide_ones")
+    __slots__ = ("inputs", "positions", "mask", "ones", "summary", "state", "wide", "wide_ones", "watch")
 
     def __init__(self, inputs: dict, positions, mask):
         self.inputs = inputs
@@ -54,7 +54,7 @@ class DecodeInputs:
         self.state = CALL.get()
         # the 4D mask handed to the forward instead of the 2D one (`wide_mask.py`): made at the first step it applies;
         # `wide_ones` is set where it applies (`build`)
-        self.wide = self.wide_ones = None
+        self.wide = self.wide_ones = self.watch = None
 
     @classmethod
     def build(cls, model, input_ids: torch.Tensor, model_kwargs: dict,
@@ -78,7 +78,8 @@ class DecodeInputs:
             return inputs, None
         made = cls(inputs, positions, mask)
         cache = cache_kwarg.get(inputs)
-        if model_forward is not None and wide_mask.applies(model, model_forward, cache, made.summary):
+        made.watch = None if model_forward is None else wide_mask.applies(model, model_forward, cache, made.summary)
+        if made.watch is not None:
             made.wide_ones = torch.ones((mask.shape[0], 1, 1, 1), dtype=torch.bool, device=mask.device)
         return inputs, made
 
@@ -102,17 +103,20 @@ class DecodeInputs:
         """Hand the forward the grown 4D mask; False (the 2D mask again, from now on) once the cache and the mask no
         longer grow together."""
         wide, grown = self.wide, None
-        if wide is None:  # the first step: stock's 2D mask with its new column, as stock's 4D mask
+        if not self.watch.holds():
+            wide = None  # a callback changed what the grown mask relies on (`wide_mask.Watch`)
+        elif wide is None:  # the first step: stock's 2D mask with its new column, as stock's 4D mask
             grown = torch.cat([self.mask, self.ones], dim=-1)
             wide = wide_mask.first(grown)
         else:
             wide = torch.cat([wide, self.wide_ones], dim=-1)
-        if cache_kwarg.get(self.inputs).get_seq_length() + 1 == wide.shape[-1]:
+        if wide is not None and cache_kwarg.get(self.inputs).get_seq_length() + 1 == wide.shape[-1]:
             self.wide = self.inputs["attention_mask"] = wide
             if grown is not None:
                 self.mask = grown
             return True
-        # a callback changed the cache's length: from here on the model builds its mask from the 2D one, as stock.
+        # a callback changed the cache's length, or something else the grown mask relies on: from here on the model
+        # builds its mask from the 2D one, as stock.
         # `self.mask` is brought up to the last 4D mask handed out (stock's 2D mask of that step: ones appended)
         if self.wide is not None and self.wide.shape[-1] > self.mask.shape[-1]:
             self.mask = torch.cat([self.mask, self.ones.expand(-1, self.wide.shape[-1] - self.mask.shape[-1])], dim=-1)

@@ -26,8 +26,10 @@ Differences: the mask is grown instead of rebuilt. It is used only where all of 
   model or its base model could see the mask (they would see a 4D one where stock passes the 2D one);
 - the prompt mask has padding (known on the host from the call's `MaskSummary`): an all-ones mask makes stock pass
   no mask at all (SDPA's own causal path), which is left to the model;
-and once per step: the cache's length plus one is the mask's length (a callback that crops or fills the cache makes
-the loop hand the model the 2D mask again, from which it builds its own).
+and once per step, on the host (`Watch`): all of the above that a callback can change mid-call (a hook registered
+on the model, `set_attn_implementation`, a class-level `forward` wrapper, the mask functions), and the cache's length
+plus one is the mask's length (a callback that crops, resets or fills the cache). Where one changed, the loop hands
+the model the 2D mask again from that step on, from which it builds its own, as stock does at every step.
 """
 
 from __future__ import annotations
@@ -49,35 +51,60 @@ _FAMILIES = {
 }
 
 
-def applies(model, model_forward, cache, summary) -> bool:
-    """Whether this call's decode steps can be handed a grown 4D mask (see the module docstring)."""
+def applies(model, model_forward, cache, summary) -> "Watch | None":
+    """Whether this call's decode steps can be handed a grown 4D mask (see the module docstring): the `Watch` that
+    checks, before each step's mask is handed out, that it still can; None where it cannot."""
     from transformers import masking_utils
 
     if summary is None or not summary.padded:
-        return False  # no padding: stock passes no mask to SDPA
-    if model_forward != model.__call__ or getattr(model.config, "_attn_implementation", None) != "sdpa":
-        return False
+        return None  # no padding: stock passes no mask to SDPA
+    if model_forward != model.__call__:
+        return None
     if not getattr(model.config, "is_causal", True) or not cache.layers:
-        return False
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None)
     family = _FAMILIES.get(type(base).__name__) if base is not None else None
     if family is None:
-        return False
+        return None
     name, module_name, causal_lm, single = family
     module = sys.modules.get(module_name)
     if (module is None or type(base) is not getattr(module, type(base).__name__, None)
             or type(model) is not getattr(module, causal_lm, None) or not single(base)):
-        return False
-    if getattr(module, "create_causal_mask", None) is not masking_utils.create_causal_mask:
-        return False
-    try:
-        if masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is not masking_utils.sdpa_mask:
+        return None
+    watch = Watch(model, base, prefix, module, masking_utils)
+    if not watch.holds() or not matches(f"dynamic decode mask ({name})"):
+        return None
+    return watch
+
+
+class Watch:
+    """What a callback may change mid-call that stock would honour at its next step (a forward hook registered on
+    the model, `set_attn_implementation`, a class-level `forward` wrapper, a mask function swapped): checked on the
+    host before every grown mask is handed out (attribute and dict reads, no tensor). Where one changed, the model
+    gets the 2D mask again from that step on and builds its own, as in stock."""
+
+    __slots__ = ("model", "base", "prefix", "module", "masking", "forwards")
+
+    def __init__(self, model, base, prefix, module, masking_utils):
+        self.model, self.base, self.prefix, self.module, self.masking = model, base, prefix, module, masking_utils
+        # the forwards as they are now (the ones `matches` reads at the first decode step)
+        self.forwards = (type(model).forward, type(base).forward)
+
+    def holds(self) -> bool:
+        model, base, masking_utils = self.model, self.base, self.masking
+        if getattr(model.config, "_attn_implementation", None) != "sdpa" or getattr(model, self.prefix, None) is not base:
             return False
-    except KeyError:
-        return False
-    if _observed(model) or _observed(base):
-        return False
-    return matches(f"dynamic decode mask ({name})")
+        if type(model).forward is not self.forwards[0] or type(base).forward is not self.forwards[1]:
+            return False
+        if getattr(self.module, "create_causal_mask", None) is not masking_utils.create_causal_mask:
+            return False
+        try:
+            if masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is not masking_utils.sdpa_mask:
+                return False
+        except KeyError:
+            return False
+        return not (_observed(model) or _observed(base))
 
 
 def _observed(module) -> bool:
