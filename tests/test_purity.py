@@ -188,7 +188,9 @@ def _host(kind):
                 return scores + (scores > 0).nonzero().shape[0]
             if kind == "mask":
                 out = scores.clone()
-                out[scores < 0] = -float("inf")  # boolean-mask indexing: its shape depends on the values
+                # boolean-mask indexing, its shape set by the values: read here, as a write alone (`out[m] = -inf`)
+                # dispatches `index_put_` on torch 2.13 but `masked_fill_` (no read) on torch 2.15
+                out[scores < 0] = scores[scores < 0] * 2
                 return out
             raise ValueError(kind)
     Host.__name__ = f"Host_{kind}"
