@@ -22,8 +22,12 @@ from unittest import mock
 from parameterized import parameterized
 from transformers import GenerationConfig
 
+from models import stock
+
+import usage_dimensions
 import usage_runner
 from usage_runner import check
+import usage_scenarios
 from usage_scenarios import CACHES, CRITERIA, PROCESSORS, draw, dumps
 
 DEVICE = os.environ.get("TAS_USAGE_DEVICE", "cpu")
@@ -38,7 +42,23 @@ def _seeds() -> list[int]:
     return list(range(first, first + int(os.environ.get("TAS_USAGE_DRAWS", "80"))))
 
 
-SEEDS = _seeds()
+def _topped_up(seeds: list[int]) -> list[int]:
+    """The default slice, plus the first later seed reaching each of issue 25's dimension values that the slice's
+    seeds miss (a few seeds: the slice reaches every value whatever the draw rates)."""
+    if os.environ.get("TAS_USAGE_ONLY", "").strip() or not seeds:
+        return seeds
+    missing = usage_dimensions.every_value().difference(*(usage_dimensions.reached(draw(s, DEVICE)) for s in seeds))
+    extra, seed = [], seeds[-1] + 1
+    while missing and seed < seeds[-1] + 5000:
+        got = usage_dimensions.reached(draw(seed, DEVICE)) & missing
+        if got:
+            extra.append(seed)
+            missing -= got
+        seed += 1
+    return seeds + extra
+
+
+SEEDS = _topped_up(_seeds())
 CHUNKS = [SEEDS[i:i + CHUNK] for i in range(0, len(SEEDS), CHUNK)] or [[]]  # TAS_USAGE_DRAWS=0: coverage only
 
 
@@ -65,7 +85,7 @@ class DrawsCoverUsage(unittest.TestCase):
         cases = [draw(seed, DEVICE) for seed in range(400)]
         turns = [t for c in cases for t in c["turns"]]
         self.assertEqual({c["cache"] for c in cases}, set(CACHES))
-        self.assertEqual({c["family"] for c in cases}, {"llama", "qwen2", "gpt2", "mistral"})
+        self.assertEqual({c["family"] for c in cases}, {"llama", "qwen2", "gpt2", "mistral", "phi3"})
         self.assertEqual({c["attn"] for c in cases}, {"sdpa", "eager"})
         self.assertEqual({len(c["turns"]) for c in cases}, {1, 2, 3, 4})
         rooms = collections.Counter(c.get("room") for c in cases if c["cache"] == "user_static")
@@ -78,8 +98,11 @@ class DrawsCoverUsage(unittest.TestCase):
                     "output_hidden_states", "output_attentions", "streamer_raises"):
             self.assertTrue(any(key in t for t in turns), key)
         self.assertTrue(any(t.get("max_length_extra", 1) <= 0 for t in turns))
-        self.assertEqual({p["kind"] for t in turns for p in t["processors"]} - {"graph_safe_liar"}, set(PROCESSORS))
-        self.assertEqual({c["kind"] for t in turns for c in t["criteria"]}, set(CRITERIA))
+        new_procs = set(usage_dimensions.NEW_PROCESSORS) | {"builtin"}
+        self.assertEqual({p["kind"] for t in turns for p in t["processors"]} - {"graph_safe_liar"},
+                         set(PROCESSORS) | new_procs)
+        self.assertEqual({c["kind"] for t in turns for c in t["criteria"]},
+                         set(CRITERIA) | set(usage_dimensions.NEW_CRITERIA))
         raises = [c for t in turns for c in t["processors"] + t["criteria"] if c["kind"] == "raise"]
         self.assertEqual({bool(c.get("interrupt")) for c in raises}, {True, False}, "no KeyboardInterrupt drawn")
         self.assertEqual({c["threads"]["mode"] for c in cases if "threads" in c}, {"one_model", "two_models"})
@@ -92,8 +115,86 @@ class DrawsCoverUsage(unittest.TestCase):
         batches = [[t["batch"] for t in c["turns"]] for c in cases]
         self.assertTrue(any(len(set(b)) > 1 for b in batches), "no batch change between turns")
 
+    def test_every_issue25_dimension_value_is_drawn_several_times(self):
+        # each value of the autograd contexts, rope types, verdict shapes and dtypes, widths, mutations, in-place id
+        # edits and hidden states: at least 3 times in 400 draws (a value never drawn fails here)
+        counts = collections.Counter(v for seed in range(400) for v in usage_dimensions.reached(draw(seed, DEVICE)))
+        rare = {v: counts[v] for v in usage_dimensions.every_value() if counts[v] < 3}
+        self.assertEqual(rare, {}, "issue-25 dimension values drawn fewer than 3 times in 400 draws")
+
+    def test_the_ci_slice_reaches_every_issue25_dimension_value(self):
+        if os.environ.get("TAS_USAGE_ONLY", "").strip() or os.environ.get("TAS_USAGE_DRAWS", "80") != "80":
+            self.skipTest("a custom slice")
+        reached = set().union(*(usage_dimensions.reached(draw(s, DEVICE)) for s in SEEDS))
+        self.assertEqual(usage_dimensions.every_value() - reached, set())
+
+    def test_old_fields_of_a_seed_are_drawn_as_before(self):
+        # the new dimensions come from their own random streams: the fields drawn before them are the same as the
+        # base draw's (seeds replayed from earlier runs keep their scenario)
+        for seed in range(200):
+            base, full = usage_scenarios._draw(seed, DEVICE), draw(seed, DEVICE)
+            self.assertEqual(len(base["turns"]), len(full["turns"]), seed)
+            for key in ("attn", "cache", "do_sample", "flag_via", "room", "dtype"):
+                self.assertEqual(base.get(key), full.get(key), (seed, key))
+            for old, new in zip(base["turns"], full["turns"]):
+                for key in ("batch", "prompt_len", "feed", "embeds", "max_new_tokens", "streamer", "return_dict"):
+                    self.assertEqual(old.get(key), new.get(key), (seed, key))
+                kinds = [p["kind"] for p in new["processors"]
+                         if p["kind"] not in usage_dimensions.NEW_PROCESSORS and p["kind"] != "builtin"]
+                self.assertEqual([p["kind"] for p in old["processors"]], kinds, seed)
+
     def test_draws_are_reproducible(self):
         self.assertEqual(draw(12345, DEVICE), draw(12345, DEVICE))
+
+
+class Issue25DimensionsTakeEffect(unittest.TestCase):
+    """A drawn dimension value does what it is drawn for in stock's run (a scenario that never got there would pass
+    vacuously): the rotary module crosses its original length within a call, hooks and a class-level forward see
+    model calls after they are installed, the calls run in inference mode, the aliasing probe sees stock's aliases."""
+
+    def _first(self, wanted, effect, limit=60):
+        tried = 0
+        for seed in range(3000):
+            sc = draw(seed, "cpu")
+            if wanted not in usage_dimensions.reached(sc):
+                continue
+            with stock():
+                result = usage_runner.run_scenario(sc, False, "cpu", usage_runner._rooms(sc, "cpu"))
+            if effect(sc, result.trace):
+                return
+            tried += 1
+            if tried >= limit:
+                break
+        self.fail(f"no drawn scenario with {wanted} shows its effect in stock's run ({tried} tried)")
+
+    def test_a_dynamic_rope_grows_past_its_length_within_a_call(self):
+        def grew(sc, trace):
+            return any(k.endswith("max_seq_len_cached") and int(v) > sc["rope"]["max_pos"]
+                       for e in trace for k, v in e["modules"].items())
+        self._first("rope:dynamic", grew)
+
+    def test_a_longrope_switches_to_its_long_factors_within_a_call(self):
+        def switched(sc, trace):
+            return any(k.endswith("long_inv_freq") for e in trace for k in e["modules"])
+        self._first("rope:longrope", switched)
+
+    def test_hooks_and_class_forwards_installed_mid_call_see_later_model_calls(self):
+        def seen(what):
+            def effect(sc, trace):
+                return any(cb[0] == "mutator" and cb[1] == what and cb[3] for e in trace for cb in e["callbacks"])
+            return effect
+        for what in ("forward_hook", "forward_pre_hook", "class_forward"):
+            with self.subTest(what):
+                self._first("mutation:" + what, seen(what))
+
+    def test_inference_mode_calls_return_inference_tensors(self):
+        self._first("grad:inference_mode", lambda sc, trace: any(f[0] for e in trace for f in e["flags"]))
+
+    def test_the_aliasing_probe_sees_scores_that_are_the_logits(self):
+        def aliased(sc, trace):
+            return any(a[0].startswith("logits") and (a[1] or "").startswith("scores")
+                       for e in trace for a in e.get("alias", ()))
+        self._first("turn:alias_probe", aliased)
 
 
 class ThreadScenariosAreFair(unittest.TestCase):

@@ -140,6 +140,7 @@ def _model(sc, device, model_seed):
     family = rope_family(sc["family"], sc.get("rope"))
     model = build(family, seed=model_seed, device=device, attn=sc["attn"], dtype=getattr(torch, dtype),
                   config_kwargs=rope_config(family, sc.get("rope")))
+    model._usage_own = True  # built for this run alone
     model._usage_fresh = set(vars(model)) | {"_usage_fresh"}
     return model
 
@@ -250,7 +251,9 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
                 result.stock_err = (t,) + err
         entry = {"turn": t, "error": err, "output": _norm(out), "callbacks": _norm(observed(procs + crits, ctx)),
                  "streamer": None if streamer is None else _norm(streamer.observed()), "grad_modes": modes,
-                 "flags": tensor_flags(out), "modules": _norm(module_state(model))}
+                 "flags": tensor_flags(out)}
+        if rng_draws:  # (two threads on one model: the other thread's call has hooks of its own on the modules now)
+            entry["modules"] = _norm(module_state(model, hooks=getattr(model, "_usage_own", False)))
         if before is not None:
             entry["before"] = _norm(before.observe())
         if ctx.alias_probe:

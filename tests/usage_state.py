@@ -84,7 +84,9 @@ def _plain(value):
     return value is None or isinstance(value, (bool, int, float, str, torch.Tensor))
 
 
-def module_state(model) -> dict:
+def module_state(model, hooks=True) -> dict:
+    """`hooks`: count each module's hooks too (only for a model built for this run: transformers installs its own
+    output-capturing hooks on a model's first call that asks for hidden states and keeps them)."""
     out = {"attn": getattr(model.config, "_attn_implementation", None)}
     for name, module in model.named_modules():
         for key, buf in module.named_buffers(recurse=False):
@@ -94,9 +96,9 @@ def module_state(model) -> dict:
         for key, value in vars(module).items():
             if not key.startswith("_") and key != "training" and _plain(value):
                 out[f"{name}:{key}"] = value
-        hooks = [len(getattr(module, h, ())) for h in ("_forward_hooks", "_forward_pre_hooks")]
-        if any(hooks):
-            out[f"{name}:hooks"] = hooks
+        counts = [len(getattr(module, h, ())) for h in ("_forward_hooks", "_forward_pre_hooks")]
+        if hooks and any(counts):
+            out[f"{name}:hooks"] = counts
     return out
 
 
