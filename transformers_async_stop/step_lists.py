@@ -36,7 +36,7 @@ _ISIN_SORTS_FROM = 10
 class _EosMask:
     """`MinLengthLogitsProcessor` / `MinNewTokensLengthLogitsProcessor.__call__` without the work stock throws away.
 
-    Copied from transformers v4.57.6-v5.23.0 (same body; 5.x spells `isin_mps_friendly` as `torch.isin`, the same
+    Copied from transformers v4.57.6-v5.24.0 (same body; 5.x spells `isin_mps_friendly` as `torch.isin`, the same
     function off MPS). Differences: the EOS mask is made only inside the minimum length, where it is used (stock
     makes it every step, and past the minimum drops it); the vocabulary `arange` is made once per call (nobody else
     sees it); with 10 or more EOS ids on the scores' device the mask is a broadcast compare instead of `torch.isin`,
@@ -104,7 +104,7 @@ class JoiningLogitsProcessors(LogitsProcessorList):
     """The call's logits processors. First, the host reads the previous step's verdict: in the extra step no
     processor runs.
 
-    Copied from transformers v4.57.6-v5.23.0 `LogitsProcessorList.__call__`. Differences: each processor's signature
+    Copied from transformers v4.57.6-v5.24.0 `LogitsProcessorList.__call__`. Differences: each processor's signature
     is read once per call instead of once per step, and the two minimum-length processors keep their EOS mask
     (`_EosMask`). Where the installed `LogitsProcessorList.__call__` is not one we checked, it is called as is.
     """
@@ -160,7 +160,7 @@ def is_user_criterion(criterion) -> bool:
 def _last_tokens_are_eos(criterion, input_ids, kwargs):
     """`EosTokenCriteria.__call__` without `torch.isin`: a broadcast compare, the same booleans.
 
-    Copied from transformers v4.57.6-v5.23.0 (5.11+ also look at the last `new_token_length` tokens; earlier
+    Copied from transformers v4.57.6-v5.24.0 (5.11+ also look at the last `new_token_length` tokens; earlier
     releases at the last one, whatever the keyword says)."""
     criterion.eos_token_id = criterion.eos_token_id.to(input_ids.device)
     length = kwargs.get("new_token_length", 1) if _eos_takes_length() else 1
@@ -189,7 +189,7 @@ class _CallCriteria(StoppingCriteriaList):
 class SideStreamCriteria(_CallCriteria):
     """The call's stopping criteria, run on the controller's side stream; none runs in the extra step.
 
-    Copied from transformers v4.57.6-v5.23.0 `StoppingCriteriaList.__call__`. Differences:
+    Copied from transformers v4.57.6-v5.24.0 `StoppingCriteriaList.__call__`. Differences:
     - an exact `MaxLengthCriteria` is skipped while it can only say "not yet" and its `max_position_embeddings`
       warning cannot fire: the deferred loop decides `max_length` on the host, exactly, at the same step;
     - the first per-row bool result seeds the reduction instead of a `torch.full` of False;

@@ -26,7 +26,7 @@ def select(new_logits, candidate_new_tokens, candidate_logits, candidate_length,
     """The target's own choice at every position (greedy, or sampling without draft logits), and how many draft
     tokens match it (a 0-d device tensor).
 
-    Copied from transformers v4.57.6-v5.23.0 `GenerationMixin._assisted_decoding`, step 3, case 2 (5.17+: the
+    Copied from transformers v4.57.6-v5.24.0 `GenerationMixin._assisted_decoding`, step 3, case 2 (5.17+: the
     ensemble-weight greedy variant). Differences: none in what is computed; the count is not read.
     """
     if do_sample:
@@ -48,7 +48,7 @@ def speculative(candidate_new_tokens, candidate_logits, candidate_length, new_lo
                 rng):
     """Speculative sampling (algorithm 1 of arXiv 2211.17192) without a host read: (tokens, n_matches, skipped).
 
-    Copied from transformers v4.57.6-v5.23.0 `_speculative_sampling`. Differences:
+    Copied from transformers v4.57.6-v5.24.0 `_speculative_sampling`. Differences:
     - `torch.arange(candidate_length)` is made on the device (stock's CPU index makes an H2D copy; the values
       gathered are the same);
     - `p[:, n_matches, :]` and `q[:, n_matches, :]` are `index_select`s, and `if n_matches < gamma` (and 5.17+'s
@@ -99,7 +99,7 @@ def speculative(candidate_new_tokens, candidate_logits, candidate_length, new_lo
 def accepted_length(n_matches, tokens, is_done, budget, eos_cut):
     """How many of `tokens` stock keeps (a 0-d device tensor): `n_matches + 1`, after stock's cuts.
 
-    Copied from transformers v4.57.6-v5.23.0 `_assisted_decoding`. Differences: no host read.
+    Copied from transformers v4.57.6-v5.24.0 `_assisted_decoding`. Differences: no host read.
     - 4.57-5.17 greedy (`is_done` given): `if is_done_candidate and n_matches == candidate_length: n_matches -= 1`;
     - 5.17+ (`budget` given): `valid_tokens[:, :tokens_budget]` when longer;
     - 5.23 (`eos_cut` given, the EOS ids): cut after the first EOS among the kept tokens, found with a broadcast

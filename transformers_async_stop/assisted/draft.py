@@ -190,7 +190,7 @@ def _generate_candidates(self, generation_args: dict, run: DraftRun, merged: boo
 class DeviceConfidence(StoppingCriteria):
     """`ConfidenceCriteria` as a device bool.
 
-    Copied from transformers v4.57.6-v5.23.0 `ConfidenceCriteria.__call__` (same body). Differences: the
+    Copied from transformers v4.57.6-v5.24.0 `ConfidenceCriteria.__call__` (same body). Differences: the
     probability is gathered and compared on the device, in float64, instead of `.item()` (a blocking read every
     drafted token) and a Python comparison. Stock compares the float32 value, converted exactly to a Python float,
     with the threshold (a Python or numpy float64): a float64 comparison of the same two numbers. The threshold is

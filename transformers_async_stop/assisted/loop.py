@@ -113,7 +113,7 @@ def unfoldable(stopping_criteria) -> str | None:
 class FoldedCriteria:
     """The call's stopping criteria, evaluated where stock evaluates them, without a device read.
 
-    Copied from transformers v4.57.6-v5.23.0 `MaxLengthCriteria`, `MaxTimeCriteria` and `EosTokenCriteria`
+    Copied from transformers v4.57.6-v5.24.0 `MaxLengthCriteria`, `MaxTimeCriteria` and `EosTokenCriteria`
     `__call__` (checked by `verified.matches`). Differences: max length and time are decided on the host; the EOS
     test runs on the device before the round's copy (`acceptance.last_is_eos`). A max-length criterion past the
     model's `max_position_embeddings` is still called, for its one-time warning.

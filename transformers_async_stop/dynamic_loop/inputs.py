@@ -1,6 +1,6 @@
 """The forward's inputs of a dynamic-cache decode step, made from the previous step's without the generic machinery.
 
-Copied from transformers v5.17.0-v5.23.0 `GenerationMixin.prepare_inputs_for_generation` and
+Copied from transformers v5.17.0-v5.24.0 `GenerationMixin.prepare_inputs_for_generation` and
 `_update_model_kwargs_for_generation`, as they act on a decode step (one new token) of a decoder-only model whose
 cache is not compileable. Per step stock appends `last + 1` to the position ids and a column of ones to the 2D
 attention mask (when generate() kept one), then builds a new input dict: the last token sliced and cloned, the last

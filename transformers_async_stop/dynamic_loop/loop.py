@@ -1,6 +1,6 @@
 """The `_sample` loop of a dynamic cache, flag on: per step only what varies per step.
 
-Copied from transformers v5.17.0-v5.23.0 `GenerationMixin._sample` (one source over that range; `targets.SHORTCUTS`
+Copied from transformers v5.17.0-v5.24.0 `GenerationMixin._sample` (one source over that range; `targets.SHORTCUTS`
 "dynamic decode loop"). Differences:
 - after the first decode step (stock's `prepare_inputs_for_generation` and `_update_model_kwargs_for_generation`),
   the forward's inputs are made from the previous step's (`inputs.DecodeInputs`): no generic input preparation,

@@ -13,7 +13,7 @@ column `_update_model_kwargs_for_generation` appends to the 2D mask). `DecodeInp
 forward's `attention_mask`; `create_causal_mask` returns a 4D mask as it is (`_preprocess_mask_arguments`'s early
 exit), so every attention layer gets the same values, dtype, shape and strides as in stock.
 
-Copied from transformers v5.17.0-v5.23.0 (`create_causal_mask`, `_preprocess_mask_arguments`, `sdpa_mask`,
+Copied from transformers v5.17.0-v5.24.0 (`create_causal_mask`, `_preprocess_mask_arguments`, `sdpa_mask`,
 `prepare_padding_mask`, `padding_mask_function`, `causal_mask_function`, `and_masks`, `_non_vmap_expansion_sdpa`, the
 cache's `get_mask_sizes`/`get_query_offset`/`get_seq_length`, and the forwards of the model families below, which
 pass the mask to `create_causal_mask` once and give its result to every layer), restricted to that path.

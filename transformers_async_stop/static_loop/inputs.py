@@ -1,6 +1,6 @@
 """The forward's inputs of a static-cache decode step, kept in place and advanced on the device.
 
-Copied from transformers v5.17.0-v5.23.0 `prepare_inputs_for_generation` and `_update_model_kwargs_for_generation`,
+Copied from transformers v5.17.0-v5.24.0 `prepare_inputs_for_generation` and `_update_model_kwargs_for_generation`,
 as they act on a decode step of a decoder-only model with a static cache. Per step stock appends a one to the 2D
 mask and `last + 1` to the position ids, then slices and clones the new token and the new position, and rebuilds the
 4D mask from the cache's device counter (`static_mask.MaskPlan`). Here the first decode step's inputs come from the

@@ -1,6 +1,6 @@
 """The `_sample` loop of a static cache, flag on, with the inputs kept in place and the tail replayed.
 
-Copied from transformers v5.17.0-v5.23.0 `GenerationMixin._sample` (one source over that range; `targets.SHORTCUTS`
+Copied from transformers v5.17.0-v5.24.0 `GenerationMixin._sample` (one source over that range; `targets.SHORTCUTS`
 "static decode loop"). Differences:
 - after the first decode step's inputs (stock's `prepare_inputs_for_generation`), the inputs are advanced on the
   device by the tail (`inputs.StepInputs`); `_update_model_kwargs_for_generation` runs for the prefill only, since

@@ -1,6 +1,6 @@
 """Everything a static-cache decode step does on the device after the forward, as one body: eager or replayed.
 
-Copied from transformers v5.17.0-v5.23.0 `GenerationMixin._sample` (the part of the loop body between the logits
+Copied from transformers v5.17.0-v5.24.0 `GenerationMixin._sample` (the part of the loop body between the logits
 copy and `stop_check`) and `EosTokenCriteria.__call__`. Differences, same values:
 - where every processor is capturable (`LoopPlan.pure`), the logits land in one fixed fp32 buffer and processors see a
   view of the sequence buffer (stock: a new tensor each step). Where one is not, each step gets a fresh logits tensor

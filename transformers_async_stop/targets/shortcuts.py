@@ -193,6 +193,10 @@ SHORTCUTS: tuple[Shortcut, ...] = (
             "column of ones made once per call",
         present="5.5+",
     ),
+    # 5.24 (both loops): `_sample`, `prepare_inputs_for_generation` and `_update_model_kwargs_for_generation` name the
+    # cache `cache` (read and written through `cache_kwarg.py`); `prepare_inputs_for_generation` also skips the 4D
+    # mask for an all-linear-attention cache and passes a flex `BlockMask` through uncopied: neither is on these
+    # loops' paths (full-attention static or dynamic layers, tensor masks)
     Shortcut(
         "static decode loop",
         (f"{_GEN}:GenerationMixin._sample", f"{_GEN}:GenerationMixin.prepare_inputs_for_generation",

@@ -60,7 +60,7 @@ _REPETITION_SOURCE = "transformers.generation.logits_process:RepetitionPenaltyLo
 class RepetitionPenalty(_Form):
     """`RepetitionPenaltyLogitsProcessor.__call__` (2D scores) on a device "tokens seen" state.
 
-    Copied from transformers v5.17.0-v5.23.0. Differences, same values:
+    Copied from transformers v5.17.0-v5.24.0. Differences, same values:
     - stock gathers the scores of every id in `input_ids` (past `prompt_ignore_length`), penalizes them
       (`where(score < 0, score * penalty, score / penalty)`) and scatters them back; here a (batch, vocab) bool
       `seen` is made once from the prompt and updated after each token (finished rows' pad token included, as in
@@ -165,7 +165,7 @@ class LastTokens(_Form):
     """`SequenceBiasLogitsProcessor.__call__` / `NoBadWordsLogitsProcessor` on the last tokens of the sequence
     buffer, read at the device-side length.
 
-    Copied from transformers v5.23.0: the stock `__call__` itself runs, on a window of the sequence instead of the
+    Copied from transformers v5.23.0-v5.24.0: the stock `__call__` itself runs, on a window of the sequence instead of the
     whole of it. It reads `input_ids` only as `input_ids.shape[1]` (whether a prefix is longer than the context) and
     `input_ids[:, -k:]` for prefix lengths `k <= shape[1]`: a window of the last `min(length, longest key)` columns,
     gathered at the device-side length, gives both the same answers. The window's width is the one host decision
@@ -212,7 +212,7 @@ _NGRAM_SOURCE = "transformers.generation.logits_process:NoRepeatNGramLogitsProce
 class NoRepeatNGram(_Form):
     """`NoRepeatNGramLogitsProcessor.__call__` over the whole sequence buffer, with the device-side length.
 
-    Copied from transformers v5.17.0-v5.23.0 (5.18+ clamp ids past the vocabulary to the spare column). Stock matches
+    Copied from transformers v5.17.0-v5.24.0 (5.18+ clamp ids past the vocabulary to the spare column). Stock matches
     the last `n - 1` tokens against every window of `n` tokens of `input_ids` and bans each matching window's last
     token. Differences, same mask: the windows run over the preallocated buffer, and only those that end before the
     device-side length count (the others, over columns not yet written, go to the spare column); the last `n - 1`
