@@ -7,6 +7,8 @@ model's own) where it cannot replay:
 - staleness: a module, parameter or buffer replaced, or its storage moved (`.to()`, `.data =`, a dtype change): the
   model's recordings are dropped and the step records again; a hook or a wrapped forward added, training mode, an
   attention implementation other than SDPA: the rest of the call runs eagerly;
+- threads: while another thread is inside `generate()`, the step runs eagerly (the graphs and their buffers serve one
+  forward at a time);
 - the key of the recording (batch size, dtypes, device, mask kind, `logits_to_keep`, the matmul precision flags a
   captured kernel was chosen under): a new key records once (at most `MAX_KEYS` per model, least recently used out).
 Recordings are kept per model in a `WeakKeyDictionary` whose values hold no reference to the model: they are freed
@@ -21,7 +23,7 @@ import weakref
 
 import torch
 
-from .. import masking, path_report
+from .. import concurrency, masking
 from . import eligibility
 from .graphs import NotRecordable, record
 
@@ -103,6 +105,10 @@ class PiecewiseForward:
                 self.off = why
         if self.off is not None:
             return self._eager(self.off, inputs)
+        if not _alone():
+            # a model's graphs and their fixed buffers serve one forward at a time: while another thread is inside
+            # generate() (it may use this model), neither thread replays (a thread that entered later sees this one)
+            return self._eager("another thread is inside generate()", inputs)
         mask, key, why = self._step(inputs)
         if why is not None:
             return self._eager(why, inputs)
@@ -210,6 +216,12 @@ class PiecewiseForward:
                matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
                matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32)
         return mask, key, None
+
+
+def _alone() -> bool:
+    """No other thread is inside generate() (`concurrency.inside_generate` registers each call's thread)."""
+    ident = threading.get_ident()
+    return all(other == ident for other in list(concurrency._INSIDE))
 
 
 def _column(tensor, device) -> bool:
