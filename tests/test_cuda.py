@@ -117,29 +117,48 @@ class CudaStreams(unittest.TestCase):
         assert_same(self, ref, on)
         assert_same(self, ref_records, records, "inner generate() outputs")
 
-    def test_criteria_run_on_a_side_stream_and_the_forward_on_the_callers(self):
+    def test_builtin_criteria_run_on_a_side_stream_user_criteria_and_the_forward_on_the_callers(self):
+        """transformers' own criteria on the side stream; with a user criterion (which may edit `input_ids` in place,
+        as the next step's input slice must then see) every criterion runs on the caller's stream, in stock's
+        order; the forward always on the caller's."""
+        from transformers.generation.stopping_criteria import EosTokenCriteria
+
         model = build("llama", device="cuda")
         ids, mask = prompt(device="cuda")
-        seen = {"criteria": set(), "forward": set()}
+        real_eos = EosTokenCriteria.__call__
 
-        class Spy(StoppingCriteria):
-            def __call__(self, input_ids, scores, **kwargs):
+        def run(user):
+            seen = {"criteria": set(), "forward": set()}
+
+            class Spy(StoppingCriteria):
+                def __call__(self, input_ids, scores, **kwargs):
+                    seen["criteria"].add(torch.cuda.current_stream().cuda_stream)
+                    return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+            def eos_spy(self, input_ids, scores, **kwargs):
                 seen["criteria"].add(torch.cuda.current_stream().cuda_stream)
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+                return real_eos(self, input_ids, scores, **kwargs)
 
-        handle = model.register_forward_hook(
-            lambda *a: seen["forward"].add(torch.cuda.current_stream().cuda_stream))
+            handle = model.register_forward_hook(
+                lambda *a: seen["forward"].add(torch.cuda.current_stream().cuda_stream))
+            try:
+                # the deferred path; the dynamic-cache loop runs its criteria in line, as the static one
+                with mock.patch.dict(os.environ, {"TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP": "0"}), \
+                        mock.patch.object(EosTokenCriteria, "__call__", eos_spy):
+                    model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD, eos_token_id=[1],
+                                   stopping_criteria=StoppingCriteriaList([Spy()] if user else []),
+                                   async_stopping_criteria=True)
+            finally:
+                handle.remove()
+            return seen
+
         caller = torch.cuda.current_stream().cuda_stream
-        try:
-            # the deferred path's side stream; the dynamic-cache loop runs its criteria in line, as the static one
-            with mock.patch.dict(os.environ, {"TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP": "0"}):
-                model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD,
-                               stopping_criteria=StoppingCriteriaList([Spy()]), async_stopping_criteria=True)
-        finally:
-            handle.remove()
-        self.assertEqual(seen["forward"], {caller})
-        self.assertEqual(len(seen["criteria"]), 1)
-        self.assertNotIn(caller, seen["criteria"])
+        builtin, user = run(False), run(True)
+        self.assertEqual(builtin["forward"], {caller})
+        self.assertEqual(len(builtin["criteria"]), 1)
+        self.assertNotIn(caller, builtin["criteria"])
+        self.assertEqual(user["forward"], {caller})
+        self.assertEqual(user["criteria"], {caller})
         self.assertEqual(torch.cuda.current_stream().cuda_stream, caller, "current stream not restored")
 
 

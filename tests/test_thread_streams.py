@@ -21,7 +21,6 @@ import unittest
 from unittest import mock
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop
 from transformers_async_stop import step_lists
@@ -30,17 +29,12 @@ from models import PAD, build, prompt, stock
 needs_cuda = unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
 
 
-class NeverStops(StoppingCriteria):
-    """A user criterion (so the deferred path runs criteria on the side stream), that never stops a row."""
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
 def _generate(model, ids, mask, flag):
-    # hidden states keep the call on the deferred path (stock's loop with the package's criteria list)
+    # hidden states keep the call on the deferred path (stock's loop with the package's criteria list); only
+    # transformers' own criteria, which the deferred path runs on the side stream (a user criterion keeps them all on
+    # the caller's stream, `SideStreamCriteria`)
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=[1], return_dict_in_generate=True,
-              output_hidden_states=True, stopping_criteria=StoppingCriteriaList([NeverStops()]))
+              output_hidden_states=True)
     if flag:
         kw["async_stopping_criteria"] = True
     return model.generate(ids, attention_mask=mask, **kw).sequences
