@@ -147,14 +147,14 @@ SHORTCUTS: tuple[Shortcut, ...] = (
         {f"{_LP}:MinLengthLogitsProcessor.__call__": {
             "d8029a61eea0": "4.57.6-5.0.0", "f539cd849301": "5.1.0-5.22.2", "8bc3322c0a8c": "5.23.0-5.24.0"}},
         "step_lists._EosMask",
-        why="`isin(arange(vocab), eos)` rebuilt every step: made once per call",
+        why="`isin(arange(vocab), eos)` and a clone every step: the mask only inside the minimum, no clone there",
     ),
     Shortcut(
         "MinNewTokensLengthLogitsProcessor.__call__", (f"{_LP}:MinNewTokensLengthLogitsProcessor.__call__",),
         {f"{_LP}:MinNewTokensLengthLogitsProcessor.__call__": {
             "636e3e5e1ab9": "4.57.6-5.0.0", "15ac7ac2ec8c": "5.1.0-5.22.2", "c58757f0afa5": "5.23.0-5.24.0"}},
         "step_lists._EosMask",
-        why="`isin(arange(vocab), eos)` rebuilt every step: made once per call",
+        why="`isin(arange(vocab), eos)` and a clone every step: the mask only inside the minimum, no clone there",
     ),
     Shortcut(
         "StoppingCriteriaList.__call__", (f"{_SC}:StoppingCriteriaList.__call__",),
