@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import os
 import random
 import time
@@ -25,7 +26,7 @@ from parameterized import parameterized
 from transformers import LogitsProcessor, StoppingCriteria
 
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from test_purity import CUDA_PURE, IMPURE, PURE, Noise, _CountCaptures, _inputs, _reset, _static_generate
+from test_purity import CUDA_PURE, IMPURE, PURE, Learned, Noise, _CountCaptures, _inputs, _reset, _static_generate
 from transformers_async_stop.static_loop.purity import guard_for
 
 CUDA = torch.cuda.is_available()
@@ -119,6 +120,34 @@ class ReadsGrad(LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         return scores * self.w.grad
+
+
+# --- writes to torch's and the standard library's modules and classes, through an alias ------------------------------
+_ALIASED = ((torch.Tensor, "_purity_calls"), (torch.nn.functional, "_purity_calls"), (math, "_purity_calls"))
+
+
+def _clear_aliased():
+    for owner, name in _ALIASED:
+        if name in vars(owner):
+            delattr(owner, name)
+
+
+class CountsOnTensorClass(LogitsProcessor):
+    """State on the class of the scores (torch.Tensor, a class the proof trusts): `type(scores).calls += 1`."""
+
+    def __call__(self, input_ids, scores):
+        cls = type(scores)
+        cls._purity_calls = getattr(cls, "_purity_calls", 0) + 1
+        return scores / cls._purity_calls
+
+
+def _counts_on_module(which):
+    def call(input_ids, scores):
+        module = torch.nn.functional if which == "torch" else math
+        module._purity_calls = getattr(module, "_purity_calls", 0) + 1
+        return scores / module._purity_calls
+    call.__name__ = f"counts_on_{which}"
+    return call
 
 
 # --- draws from the CPU generator ------------------------------------------------------------------------------------
@@ -244,6 +273,8 @@ HIDDEN = {
     "sets_an_attribute_on_its_output": TagsItsOutput, "sets_an_attribute_through_dict": TagsThroughDict,
     "counter_on_a_held_tensor": TensorCounter, "list_on_a_held_tensor": TensorHistory,
     "counter_on_a_global_tensor": GlobalTensorCounter, "reads_a_held_tensors_grad": ReadsGrad,
+    "counter_on_the_tensor_class": CountsOnTensorClass,
+    **{f"counter_on_a_{k}_module": functools.partial(_counts_on_module, k) for k in ("torch", "math")},
     "cpu_generator_jitter": CpuJitter, "cpu_generator_noise": Noise, **{f"cpu_generator_{k}": functools.partial(_cpu_draw, k) for k in CPU_DRAWS},
 }
 
@@ -265,10 +296,26 @@ class HiddenStateIsSeen(unittest.TestCase):
                            for context in CONTEXTS])
     def test_hidden_state_is_not_proven_pure(self, _, make, context):
         _GLOBAL_T.count = 0
-        guard, _ = _verdict(make(), context)
+        try:
+            guard, _ = _verdict(make(), context)
+        finally:
+            _clear_aliased()
         if guard is not None:
             self.assertIs(guard.capturable, False, guard.reason)
             self.assertFalse(guard.unchanged())
+
+    def test_a_global_module_hook_added_after_the_proof_is_seen(self):
+        """`nn.Module.__call__` runs the global module hooks, which a replay would not: adding one is a change."""
+        module = Learned(VOCAB)
+        guard, _ = _verdict(module)
+        self.assertTrue(guard.capturable, guard.reason)
+        self.assertTrue(guard.unchanged())
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: None)
+        try:
+            self.assertFalse(guard.unchanged())
+        finally:
+            handle.remove()
+        self.assertTrue(guard.unchanged())
 
     @parameterized.expand(sorted(SIBLINGS))
     def test_sibling_hidden_state_is_not_proven_pure(self, name):
@@ -341,10 +388,23 @@ def _both(model, ids, mask, make, sampling, criteria=lambda processor: (), conte
         _reset()
         _GLOBAL_T.count = 0
         processor = make()
-        with (contextlib.nullcontext() if flag else stock()), _CountCaptures() as captures, CONTEXTS[context]():
-            out = _static_generate(model, ids, mask, processor, flag, sampling, criteria(processor))
+        try:
+            with (contextlib.nullcontext() if flag else stock()), _CountCaptures() as captures, CONTEXTS[context]():
+                out = _static_generate(model, ids, mask, processor, flag, sampling, criteria(processor))
+        finally:
+            _clear_aliased()
+            for handle in _HOOKS:
+                handle.remove()
+            _HOOKS.clear()
         runs.append((out, torch.get_rng_state()))
     return runs, captures.count
+
+
+_HOOKS = []  # global module hooks a criterion registered: removed after each run
+
+
+def _halve_learned(module, args, out):
+    return out * 0.5 if isinstance(module, Learned) else None
 
 
 @unittest.skipUnless(CUDA, "needs a CUDA device")
@@ -356,7 +416,8 @@ class CapturedTailEqualsStock(unittest.TestCase):
 
     @parameterized.expand([(f"{name}_{'sample' if s else 'greedy'}", name, s) for name in
                            ("sets_an_attribute_on_scores", "counter_on_a_held_tensor", "list_on_a_held_tensor",
-                            "counter_on_a_global_tensor", "cpu_generator_jitter", "cpu_generator_normal",
+                            "counter_on_a_global_tensor", "counter_on_the_tensor_class", "counter_on_a_torch_module",
+                            "cpu_generator_jitter", "cpu_generator_normal",
                             "cpu_generator_bernoulli") for s in (False, True)])
     def test_hidden_state_is_never_captured(self, _, name, sampling):
         ((ref, ref_rng), (on, on_rng)), captures = _both(self.model, self.ids, self.mask, HIDDEN[name], sampling)
@@ -367,8 +428,11 @@ class CapturedTailEqualsStock(unittest.TestCase):
     @parameterized.expand([("tensor_setting", lambda: TensorSetting("cuda"),
                             lambda p: [_AtCall(6, lambda: setattr(p.t, "scale", 0.25))]),
                            ("grad_rebound", lambda: ReadsGrad("cuda"),
-                            lambda p: [_AtCall(6, lambda: setattr(p.w, "grad", torch.full_like(p.w, 0.25)))])])
-    def test_a_held_tensors_state_changed_mid_call_is_seen_as_in_stock(self, _, make, criteria):
+                            lambda p: [_AtCall(6, lambda: setattr(p.w, "grad", torch.full_like(p.w, 0.25)))]),
+                           ("global_module_hook", lambda: Learned(VOCAB).cuda(),
+                            lambda p: [_AtCall(6, lambda: _HOOKS.append(
+                                torch.nn.modules.module.register_module_forward_hook(_halve_learned)))])])
+    def test_state_changed_mid_call_is_seen_as_in_stock(self, _, make, criteria):
         for sampling in (False, True):
             (ref, ref_rng), (on, on_rng) = _both(self.model, self.ids, self.mask, make, sampling, criteria)[0]
             assert_same(self, ref, on)

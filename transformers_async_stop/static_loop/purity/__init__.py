@@ -115,6 +115,8 @@ class Guard:
                 rec.fail("it changed state it can reach (an attribute, a global, a closure or a container)")
         except Exception as error:
             rec.fail(f"its state cannot be fingerprinted again ({type(error).__name__})")
+        if rec.reason is None and not snapshot.trusted_held():
+            rec.fail("it changed a torch or standard module or class (an attribute set through an alias)")
         for code in rec.executed:  # all the Python it ran must be code whose reads the snapshot covers
             if rec.reason is None and not any(code is c or _nested_in(code, c) for c in snapshot.codes):
                 rec.fail(f"it ran {code.co_name} ({code.co_filename}), not reached through state the guard sees")

@@ -7,6 +7,7 @@ the call reaches globals and attribute paths; `Guard.unchanged` compares its fin
 from __future__ import annotations
 
 import collections
+import operator
 import types
 
 import torch
@@ -34,10 +35,28 @@ class _Snapshot:
     def __init__(self):
         self.nodes = [(_fp_torch_state, None, _fp_torch_state(None))]
         self.keep, self.codes, self._seen = [], set(), set()
+        self.trusted = []  # (owner, keys, values): the trusted modules and classes met, compared once after the call
+        self._hooks = False
+        self._watch(torch.Tensor)  # reached through any tensor (`type(scores).calls = ...`), with no path
 
     def holds(self) -> bool:
         for fingerprint, obj, expected in self.nodes:
             if fingerprint(obj) != expected:
+                return False
+        return True
+
+    def _watch(self, owner) -> None:
+        # a trusted module or class is compared by identity only at each replay (torch's Python is not changed
+        # during a call), but the observed call itself must not write one (`F = torch.nn.functional; F.n = 1`,
+        # `type(scores).n += 1`): its namespace, kept here, is compared once after the call (`trusted_held`)
+        d = vars(owner)
+        self.trusted.append((owner, tuple(d), tuple(d.values())))
+
+    def trusted_held(self) -> bool:
+        for owner, keys, values in self.trusted:
+            d = vars(owner)
+            if (len(d) != len(keys) or not all(map(operator.is_, keys, d))
+                    or not all(map(operator.is_, values, d.values()))):
                 return False
         return True
 
@@ -112,17 +131,23 @@ class _Snapshot:
         elif isinstance(v, types.ModuleType):
             if not _trusted(v.__name__):
                 raise _Unprovable(f"it holds the module {v.__name__}, whose attributes it may read")
+            self._watch(v)
         elif isinstance(v, type):
             if _python_class(v) and not _trusted(v.__module__):  # C and trusted classes: identity is enough
                 self._node(_fp_class, v)  # its bases, class attributes, methods, `__call__` and its code
                 for part in (type(v), *v.__mro__[1:]):
                     self.freeze(part)
                 self._own(v.__dict__)
+            elif _python_class(v):
+                self._watch(v)
         elif t not in _C_DESCRIPTORS:  # C descriptors never change
             if not all(base is object or _python_class(base) for base in t.__mro__):
                 raise _Unprovable(f"it holds a {t.__name__}, whose state lives in C")
             attributes = getattr(v, "__dict__", None)
             self._node(_fp_object, v)
+            if isinstance(v, torch.nn.Module) and not self._hooks:  # its call runs the global module hooks too
+                self._hooks = True
+                self._node(_fp_module_hooks, None)
             self.freeze(t)
             if type(attributes) is dict:
                 self._own(attributes)
@@ -185,6 +210,21 @@ def _ids(d):
 
 def _fp_torch_state(_):
     return torch.get_default_dtype(), torch.is_grad_enabled()
+
+
+def _module_hooks() -> tuple:
+    # the hooks `nn.Module.__call__` runs for every module (`register_module_forward_hook`, ...): dicts in torch's
+    # module namespace; a release without one has nothing to compare
+    from torch.nn.modules import module
+    return tuple(d for d in (getattr(module, name, None) for name in _HOOK_DICTS) if isinstance(d, dict))
+
+
+_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+               "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")
+
+
+def _fp_module_hooks(_):
+    return tuple(map(_ids, _module_hooks()))
 
 
 def _fp_dict(d):
