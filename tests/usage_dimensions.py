@@ -172,3 +172,51 @@ def candidates(sc: dict, variant):
                 yield variant(lambda s, i=i, j=j: s["turns"][i]["criteria"][j].pop("ret"))
                 if crit["ret"]["dtype"] != "bool":
                     yield variant(lambda s, i=i, j=j: s["turns"][i]["criteria"][j]["ret"].__setitem__("dtype", "bool"))
+
+
+def reached(sc: dict) -> set:
+    """The values of issue 25's dimensions that `sc` draws, as strings (for the coverage tests and the fuzzer's
+    per-dimension counts)."""
+    out = {"grad:" + sc.get("grad", "none")}
+    if "rope" in sc:
+        out.add("rope:" + sc["rope"]["type"])
+    if sc["family"] == "phi3":
+        out.add("family:phi3")
+    for turn in sc["turns"]:
+        out.update("turn:" + key for key in ("grad", "made_in", "alias_probe") if key in turn)
+        if "before" in turn:
+            out.add("before:" + turn["before"]["what"])
+        after_width = False
+        for p in turn["processors"]:
+            if p["kind"] == "hidden":
+                out.add("hidden:" + p["store"])
+            elif p["kind"] == "width":
+                out.add("width:" + ("widen" if p["delta"] > 0 else "narrow"))
+            elif p["kind"] == "builtin" and after_width:
+                out.add("after_width:" + p["name"])
+            elif p["kind"] == "mutator":
+                out.add("mutation:" + p["what"])
+                out.add("mutator:processor")
+            elif p["kind"] == "edit_ids":
+                out.add(f"edit_ids:processor:{p['col']}")
+            after_width = p["kind"] in ("width", "builtin") and (after_width or p["kind"] == "width")
+        for c in turn["criteria"]:
+            if c["kind"] == "mutator":
+                out.add("mutation:" + c["what"])
+                out.add("mutator:criterion")
+            elif c["kind"] == "edit_ids":
+                out.add(f"edit_ids:criterion:{c['col']}")
+            if "ret" in c:
+                out.update(("ret_shape:" + c["ret"]["shape"], "ret_dtype:" + c["ret"]["dtype"]))
+    return out
+
+
+def every_value() -> set:
+    """Every value `reached` can report."""
+    out = {"grad:" + g for g in GRADS} | {"rope:" + r for r in ROPE_TYPES} | {"family:phi3"}
+    out |= {"turn:grad", "turn:made_in", "turn:alias_probe", "mutator:processor", "mutator:criterion"}
+    out |= {"before:" + w for w in BEFORE} | {"mutation:" + w for w in MUTATIONS} | {"hidden:" + h for h in HIDDEN}
+    out |= {"width:widen", "width:narrow"} | {"after_width:" + n for n in WIDEN_THEN}
+    out |= {f"edit_ids:{role}:{col}" for role in ("processor", "criterion") for col in (-1, -2, 0)}
+    out |= {"ret_shape:col", "ret_shape:row"} | {"ret_dtype:" + d for d in RET_DTYPES}
+    return out
