@@ -1,6 +1,6 @@
 """Side-by-side timing and equality of the piecewise-graphed decode forward (issue 27), on one CUDA device.
 
-    PYTHONPATH=.:tests python3 scripts/piecewise_check.py [--quick]
+    PYTHONPATH=.:tests python3 scripts/piecewise_check.py [--quick] [--cases=b1,b8]
 
 For each case: unpatched transformers ("stock"), the flag with the eager forward ("flag"), and the flag with the
 piecewise-graphed forward ("piecewise"), in the same process, alternating. Prints ms/token (median of the timed
@@ -44,13 +44,16 @@ def build(config, dtype):
 
 
 def run(model, ids, mask, mode, seed=0, **kwargs):
-    """One generate() call in `mode`; (output, seconds)."""
+    """One generate() call in `mode`; (output, seconds). "piecewise" is the flag as it comes (no variable set)."""
     extra = {}
     if mode == "stock":
         tas.unpatch()
     else:
         extra["async_stopping_criteria"] = True
-        os.environ[ENV] = "1" if mode == "piecewise" else "0"
+        if mode == "piecewise":
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = "0"
     try:
         torch.manual_seed(seed)
         torch.cuda.synchronize()
@@ -129,6 +132,7 @@ def guarded(results, name, *args, **kwargs):
 
 def main():
     quick = "--quick" in sys.argv
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--cases=")), None)
     results = []
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "transformers",
           __import__("transformers").__version__, flush=True)
@@ -145,14 +149,16 @@ def main():
         ids = torch.randint(3, 32000, (1, 32), generator=g).cuda()
         for name, kwargs in (("llama-1b bf16 b1 greedy", dict(do_sample=False, eos_token_id=None)),
                              ("llama-1b bf16 b1 sample", dict(do_sample=True, top_k=0, top_p=1.0, eos_token_id=None))):
-            guarded(results, name, big, ids, torch.ones_like(ids), 128, 2, **kwargs)
+            if only is None or "b1" in only:
+                guarded(results, name, big, ids, torch.ones_like(ids), 128, 2, **kwargs)
         ids8 = torch.randint(3, 32000, (8, 32), generator=g).cuda()
         mask8 = torch.ones_like(ids8)
         for row in range(8):
             mask8[row, :row * 3] = 0
             ids8[row, :row * 3] = 0
-        guarded(results, "llama-1b bf16 b8 left-padded greedy", big, ids8, mask8, 128, 2, do_sample=False,
-                eos_token_id=None)
+        if only is None or "b8" in only:
+            guarded(results, "llama-1b bf16 b8 left-padded greedy", big, ids8, mask8, 128, 2, do_sample=False,
+                    eos_token_id=None)
 
     print()
     print(f"{'case':40s} {'stock':>8s} {'flag':>8s} {'piecewise':>9s}  stock=stock  pw=stock  flag=stock  "

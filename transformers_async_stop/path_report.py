@@ -49,7 +49,7 @@ class CallPath:
     method: str | None = None
     loop: str | None = None
     # the dynamic loop's decode forward: "graphed (N pieces): ..." (`piecewise/`) or "eager: <why>"; None elsewhere
-    forward: str | None = None
+    forward: str | None = dataclasses.field(default=None, compare=False)  # a detail: reports compare without it
     notice: str | None = None  # this transformers release was not checked: the fast paths off (`release_notice`)
 
     def describe(self) -> str:

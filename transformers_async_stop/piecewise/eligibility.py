@@ -40,8 +40,8 @@ FAMILIES = {
 STATIC_ROPE = frozenset(("default", "linear", "llama3", "yarn"))
 
 
-# taken unless `TRANSFORMERS_ASYNC_STOP_PIECEWISE=0`; while False, only with `TRANSFORMERS_ASYNC_STOP_PIECEWISE=1`
-DEFAULT_ON = False
+# taken unless `TRANSFORMERS_ASYNC_STOP_PIECEWISE=0` (False would take it only with `TRANSFORMERS_ASYNC_STOP_PIECEWISE=1`)
+DEFAULT_ON = True
 
 
 def why_off() -> str | None:
