@@ -239,7 +239,7 @@ class ProcessorsGetWhatStockGives(unittest.TestCase):
         self.assertTrue(ids.is_contiguous())
         self.assertIs(t.sequence(5), ids, "the step's criteria and the next step's processors share one tensor")
         ids[1, 2] = 99
-        t.settle()
+        t.settle(5)
         self.assertEqual(int(seq[1, 2]), 99)
         self.assertIsNot(t.sequence(6), ids)
 
@@ -306,10 +306,13 @@ class SettingsChangedMidCall(unittest.TestCase):
         changes = [
             (lambda h: h.ids.append(3), False),  # a container edited in place
             (lambda h: h.ids.__setitem__(1, 2.0), True),  # containers compare by value, as `==` does
-            (lambda h: h.table.add_(1), False),  # a tensor edited in place
+            # a tensor edited in place: the replay reads its memory, as stock's call does (no version counter read)
+            (lambda h: h.table.add_(1), True),
+            (lambda h: h.table.resize_(4), False),  # a tensor's layout: baked into the graph
             (lambda h: setattr(h, "table", torch.zeros(3)), False),  # another tensor, equal values
             (lambda h: setattr(h, "table", h.table), True),  # the same tensor
-            (lambda h: h.nested[0][0].mul_(2), False),  # a tensor inside a container
+            (lambda h: h.nested[0][0].mul_(2), True),  # a tensor inside a container, edited in place
+            (lambda h: h.nested[0][0].resize_(3), False),  # ... and resized
             (lambda h: setattr(h, "new", 1), False),  # an attribute added
             (lambda h: setattr(h, "ids", [1, 2]), True),  # an equal list
             (lambda h: setattr(Holder, "__call__", lambda self, i, s: s * 2), False),  # the class's __call__

@@ -34,6 +34,7 @@ class CallPath:
       returned cache that cannot give a step back), "deferred" (the verdict read one step late), or "static loop"
       (deferred, in the package's own static-cache loop);
     - reason: why "stock" or "immediate" (the `StockPathWarning` text, "CPU: the device is synchronous", "flag off");
+      on the static loop, why it left its plan (in-place inputs, captured tail) for the rest of the call, or None;
     - tail: the static loop's step tail, "eager" or "captured" (replayed from CUDA graphs); None elsewhere;
     - graphs: CUDA graphs captured during the call;
     - method: "greedy", "sample", "beam search", "beam sample", "assisted", "prompt lookup", or None when no
@@ -62,7 +63,7 @@ class CallPath:
             tail = f", tail {self.tail}" if self.tail else ""
             if self.graphs:
                 tail += f" ({self.graphs} graph{'s' if self.graphs != 1 else ''})"
-            return f"deferred, static loop{tail}"
+            return f"deferred, static loop{tail}" + (f"; left its plan: {self.reason}" if self.reason else "")
         return "deferred, dynamic loop" if self.loop == "dynamic" else "deferred"
 
 
@@ -114,8 +115,8 @@ def end(token) -> None:
         return
     if report.path == "stock" and report.reason is None:
         report.reason = NO_LOOP
-    elif report.path in ("deferred", "static loop"):
-        report.reason = None
+    elif report.path == "deferred":
+        report.reason = None  # (the static loop's is why it left its plan: `static_loop`)
     _LAST.path = report
     if logger.isEnabledFor(logging.INFO):
         method = f" [{report.method}]" if report.method else ""
@@ -174,13 +175,15 @@ def dynamic_loop() -> None:
         report.loop = "dynamic"
 
 
-def static_loop(captured: bool, graphs: int) -> None:
-    """The static-cache loop ran; its tail was `captured` into `graphs` CUDA graphs, or eager."""
+def static_loop(captured: bool, graphs: int, left: str | None = None) -> None:
+    """The static-cache loop ran; its tail was `captured` into `graphs` CUDA graphs, or eager; `left`: why it left
+    its plan mid-call (the rest of the call ran eagerly or on stock's per-step inputs)."""
     report = _current()
     if report is not None:
         report.path = "static loop"
         report.tail = "captured" if captured and graphs else "eager"
         report.graphs = graphs
+        report.reason = left
 
 
 def method_of(generation_config) -> str:

@@ -2,9 +2,10 @@
 
 Some per-call shortcuts of the deferred loop compute what a piece of stock code computes, with less host work
 (`targets.SHORTCUTS` lists them, each with the digests of the upstream sources it was read against). The digest of
-the installed source is taken once per process, at first use. On a release whose source is not in the table the
-shortcut is off and the stock code runs: exact by construction. The drift test (`tests/test_patching.py`) fails on
-such a release, so the table is reviewed and extended rather than silently wrong.
+the installed source is taken at first use and again whenever one of the sources is another object than the one
+digested (user code may rebind a method, e.g. wrap a processor's `__call__`, after a first call). On a release
+whose source is not in the table the shortcut is off and the stock code runs: exact by construction. The drift test
+(`tests/test_patching.py`) fails on such a release, so the table is reviewed and extended rather than silently wrong.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import sys
 import textwrap
 import threading
 
@@ -21,7 +23,9 @@ logger = logging.getLogger("transformers_async_stop")
 
 _BY_NAME = {shortcut.name: shortcut for shortcut in SHORTCUTS}
 _RESULTS: dict[str, bool] = {}
+_DIGESTED: dict[str, tuple] = {}  # per shortcut: the objects its verdict in `_RESULTS` was taken on
 _LOCK = threading.Lock()
+_OWN_MARK = "_transformers_async_stop_patched"  # `patching.MARKER` (imported there from here: no cycle)
 
 
 def source_digest(obj) -> str:
@@ -30,22 +34,57 @@ def source_digest(obj) -> str:
 
 
 def installed_digests(name: str) -> dict[str, str | None]:
-    """The digest of every upstream source the shortcut `name` relies on, as installed (None: not found)."""
+    """The digest of every upstream source the shortcut `name` relies on, as installed (None: not found, or
+    wrapped by code that is neither transformers', torch's nor this package's: its source is not the one read)."""
     found = {}
     for source in _BY_NAME[name].sources:
         try:
-            found[source] = source_digest(_resolve(source))
+            obj = _resolve(source)
+            found[source] = None if _foreign_wrapper(obj) else source_digest(obj)
         except (ImportError, AttributeError, OSError, TypeError):
             found[source] = None
     return found
 
 
+def _objects(name: str) -> tuple:
+    objects = []
+    for source in _BY_NAME[name].sources:
+        try:
+            obj = _resolve(source)
+            objects.append(getattr(obj, "__func__", obj))  # a bound classmethod is a new object at every lookup
+        except (ImportError, AttributeError):
+            objects.append(None)
+    return tuple(objects)
+
+
+def _foreign_wrapper(obj) -> bool:
+    """Whether `obj` wraps another function (`functools.wraps`, whose source `inspect` shows instead) in code that
+    is not transformers', torch's or this package's own patch."""
+    import os
+
+    import torch
+    import transformers
+
+    allowed = tuple(os.path.dirname(m.__file__) + os.sep for m in (transformers, torch))
+    while getattr(obj, "__wrapped__", None) is not None:
+        code = getattr(obj, "__code__", None)
+        if not getattr(obj, _OWN_MARK, False) and (code is None or not code.co_filename.startswith(allowed)):
+            return True
+        obj = obj.__wrapped__
+    return False
+
+
 def matches(name: str) -> bool:
-    """Whether every upstream source behind the shortcut `name` is one it was checked against."""
+    """Whether every upstream source behind the shortcut `name` is one it was checked against (as installed now)."""
     result = _RESULTS.get(name)
+    objects = _DIGESTED.get(name)
+    if result is not None and objects is not None and any(
+            a is not b for a, b in zip(_objects(name), objects)):
+        result = None  # a source was rebound since its verdict: take it again
     if result is None:
         with _LOCK:
             shortcut = _BY_NAME[name]
+            objects = _objects(name)
             found = installed_digests(name)
             result = all(digest in shortcut.digests.get(source, {}) for source, digest in found.items())
             if not result:
@@ -53,6 +92,7 @@ def matches(name: str) -> bool:
                             "checked against; the stock code runs instead", name,
                             ", ".join(s for s, d in found.items() if d not in shortcut.digests.get(s, {})))
             _RESULTS[name] = result
+            _DIGESTED[name] = objects
     return result
 
 
@@ -61,7 +101,7 @@ def _resolve(source: str):
     import importlib
 
     module_name, _, qualname = source.partition(":")
-    obj = importlib.import_module(module_name)
+    obj = sys.modules.get(module_name) or importlib.import_module(module_name)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj

@@ -86,6 +86,11 @@ class StepInputs:
         self.ids.copy_(tokens[:, None])
         if self.positions is not None:
             self.positions.add_(1)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """The mask from the cache's counter as it is now: again after user code ran (a criterion may `reset()` the
+        cache; stock builds the next mask after the criteria)."""
         if self.mask is not None:
             causal = self.kv <= self.offset
             if self.causal_only:

@@ -17,8 +17,9 @@ Copied from transformers v5.17.0-v5.24.0 `GenerationMixin._sample` (one source o
 from __future__ import annotations
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from .. import cache_kwarg, path_report
+from .. import cache_kwarg, path_report, static_mask
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
 from .inputs import StepInputs
@@ -35,7 +36,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
     scores = () if plan.scores else None
     raw_logits = () if plan.logits else None
     batch_size, length = input_ids.shape
-    unfinished_sequences = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
+    unfinished_sequences = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)  # `tail.unfinished`
     seq = input_ids.new_empty((batch_size, max(stopping_criteria.max_length, length)))
     seq[:, :length].copy_(input_ids)
 
@@ -49,8 +50,11 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
     cache = cache_kwarg.get(model_kwargs)
     model_inputs, first = None, True
     tail = Tail(plan, seq, length, unfinished_sequences, pad_token_id)
-    tail.held = (input_ids, length, input_ids._version)  # the first step's processors get generate()'s own ids
+    tail.held = (input_ids, length)  # the first step's processors get generate()'s own ids
     step_inputs = None  # the first decode step makes them; None afterwards: stock rebuilds the inputs every step
+    behind = 0  # `_update_model_kwargs_for_generation` calls skipped while the inputs are advanced in place
+    seen = _fingerprint(model)
+    left = None  # why the call left its plan of in-place inputs mid-call
     try:
         with model._optimize_model_for_decode():
             while True:
@@ -62,29 +66,52 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
                 if step_inputs is None:
                     model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs,
                                                                              is_encoder_decoder=False)
+                else:
+                    behind += 1
                 if ctl.join():
                     break  # the step the flag-off run never made: its forward is undone below
                 next_token_logits = tail.load(outputs.logits)
                 outputs = None
                 step_scores = tail.run(length, advance=step_inputs is not None)
                 # stock keeps the very tensors it made; a captured tail rewrites its buffers at every replay
+                kept_scores, kept_logits = tail.keep(step_scores, next_token_logits, scores is not None,
+                                                     raw_logits is not None)
                 if scores is not None:
-                    scores += (step_scores if tail.fresh else step_scores.clone(),)
+                    scores += (kept_scores,)
                 if raw_logits is not None:
-                    raw_logits += (next_token_logits if tail.fresh else next_token_logits.clone(),)
+                    raw_logits += (kept_logits,)
                 length += 1
                 if plan.criteria:
                     is_done = fold_criteria(plan.criteria, length, lambda: tail.sequence(length), scores, ctl, {})
-                    tail.settle()  # a criterion's in-place edit of the sequence lands in it, as in stock
+                    tail.settle(length)  # a criterion's in-place edit of the sequence lands in it, as in stock
+                    if step_inputs is not None:
+                        step_inputs.refresh()  # the mask from the cache's counter as the criteria left it
                     if is_done is not None:
-                        unfinished_sequences.bitwise_and_(~is_done)  # stock: `unfinished & ~is_done`
-                if ctl.record(unfinished_sequences, tail.tokens, length):
+                        tail.fold(is_done)  # stock: `unfinished & ~is_done`
+                if ctl.record(tail.verdict(), tail.tokens, length):
                     break
-                if first:
+                now = _fingerprint(model)
+                if now != seen:
+                    # user code registered a hook or changed the attention implementation: stock's own per-step
+                    # inputs and mask from now on, with the kwargs updates the in-place inputs skipped
+                    seen, first = now, False
+                    left = left or "a hook or the attention implementation changed mid-call: stock's per-step inputs"
+                    static_mask.release(cache)
+                    if step_inputs is not None:
+                        for _ in range(behind):
+                            model_kwargs = model._update_model_kwargs_for_generation({}, model_kwargs,
+                                                                                     is_encoder_decoder=False)
+                        step_inputs = tail.inputs = None
+                    model_inputs = None
+                elif first:
                     first = False
-                    model_inputs, step_inputs = StepInputs.build(model, prefix(seq, length), model_kwargs, cache,
-                                                                   ctl.cache_end())
-                    tail.inputs = step_inputs
+                    if _hooked(model):  # a hook may keep the inputs it is given: stock gives it new ones every step
+                        left = "a forward hook is registered: stock's per-step inputs"
+                        model_inputs = None
+                    else:
+                        model_inputs, step_inputs = StepInputs.build(model, prefix(seq, length), model_kwargs, cache,
+                                                                       ctl.cache_end())
+                        tail.inputs = step_inputs
                 elif step_inputs is None:
                     model_inputs = None
     except BaseException:
@@ -92,7 +119,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
             _give_back_extra_forward(ctl, cache)
         raise
     finally:
-        path_report.static_loop(bool(tail.graphs), len(tail.graphs))
+        path_report.static_loop(bool(tail.graphs), len(tail.graphs), left or tail.left)
         tail.close()
 
     if ctl.finish():
@@ -104,6 +131,25 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=raw_logits, attentions=None,
                                          hidden_states=None, **cache_kwarg.output_field(cache))
     return sequences
+
+
+def _fingerprint(model) -> tuple:
+    """What stock reads at every step and the in-place inputs fix for the call, as cheap host values: the count of
+    hooks ever registered (any module, any kind: a new forward hook must get stock's fresh inputs) and the
+    attention implementation (the mask plan is made for one)."""
+    config = model.config
+    return (RemovableHandle.next_id, getattr(config, "_attn_implementation", None),
+            getattr(config.get_text_config(), "_attn_implementation", None))
+
+
+def _hooked(model) -> bool:
+    """Whether a forward hook is registered on the model or any of its modules (or globally): it gets the step's
+    input tensors (the mask and positions reach every layer), and may keep them."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def _give_back_extra_forward(ctl, cache) -> None:

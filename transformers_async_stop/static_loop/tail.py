@@ -63,6 +63,17 @@ def _heal_generator(graph, stream) -> None:
             empty.capture_end()
 
 
+def _is_user(processor) -> bool:
+    """Whether a processor is user code (it may edit `input_ids` in place); the package's forms and transformers'
+    own processors (exact types) never do."""
+    from ..step_lists import _EosMask
+    from .processors import forms
+
+    if isinstance(processor, (_EosMask, forms._Form)):
+        return False
+    return not type(processor).__module__.startswith("transformers.")
+
+
 def prefix(seq: torch.Tensor, length: int) -> torch.Tensor:
     """The sequence so far, as user code gets it: its first `length` columns, contiguous (a copy for several rows)."""
     ids = seq[:, :length]
@@ -101,7 +112,10 @@ class Tail:
         # them: one not capturable, or one `purity` has yet to observe
         self.fresh = not plan.pure or bool(plan.observed)
         self.pending = plan.observed  # (index, purity guard): observed on their real call at the first step
-        self.held = None  # (tensor, length, version): the sequence as user code last got it (`sequence`)
+        self.held = None  # (tensor, length): the sequence as user code last got it (`sequence`)
+        # per processor: user code, which may edit the ids it is handed (built-ins never do)
+        self.user = [_is_user(p) for p in plan.processors]
+        self.left = None  # why the tail left its plan mid-call (`last_path()`)
 
     def load(self, logits: torch.Tensor) -> torch.Tensor:
         """The step's last-position logits into the fixed fp32 buffer (eager: the forward's output moves), or, where a
@@ -186,6 +200,48 @@ class Tail:
 
         self.capture = False
         self.processors = [p.processor if isinstance(p, _EosMask) else p for p in self.plan.processors]
+        if self.graphs:
+            self.left = "a captured processor changed mid-call: eager tail from then on"
+
+    def keep(self, scores, logits, want_scores: bool, want_logits: bool):
+        """The step's processed scores and raw logits as the call returns them: stock's own tensors, sharing what
+        they share in stock (with no processor, or one returning its input or a view of it, the scores *are* the
+        logits or a view of them). Fresh tensors are kept as they are; the fixed buffers are copied (a replay
+        rewrites them), the scores as the same view of the logits' copy where they were one."""
+        if self.fresh or not (want_scores or want_logits):
+            return scores, logits
+        shares = want_logits and want_scores and (
+            scores is logits or scores.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr())
+        kept_logits = logits.clone() if want_logits else None
+        if not shares:
+            return (scores.clone() if want_scores else None), kept_logits
+        if scores is logits:
+            return kept_logits, kept_logits
+        return kept_logits.as_strided(scores.size(), scores.stride(), scores.storage_offset()), kept_logits
+
+    def fold(self, is_done: torch.Tensor) -> None:
+        """`unfinished & ~is_done`, as stock computes it. In place where the shape stays (every call but a
+        criterion's odd answer); a verdict that broadcasts to another shape (a criterion answering (batch, 1)) is
+        stock's new `unfinished_sequences`, which the rest of the call uses as stock does, eagerly."""
+        if is_done.shape == self.unfinished.shape:
+            self.unfinished.bitwise_and_(~is_done)
+            return
+        merged = self.unfinished & ~is_done
+        if merged.shape == self.unfinished.shape and merged.dtype == self.unfinished.dtype:
+            self.unfinished.copy_(merged)
+            return
+        self.unfinished = merged  # the graphs captured the old tensor: no replay from now on
+        self._go_eager()
+        self.left = "a criterion's verdict changed the shape of unfinished_sequences: eager tail from then on"
+
+    def verdict(self) -> torch.Tensor:
+        """The per-row verdict for the stop check: `unfinished_sequences` itself, or, where a criterion broadcast it
+        to another shape, one value per row that is all zeros exactly when it is (stock: `max() == 0`)."""
+        unfinished = self.unfinished
+        rows = self.tokens.shape[0]
+        if unfinished.shape == (rows,):
+            return unfinished
+        return unfinished.reshape(-1).amax(0, keepdim=True).expand(rows)
 
     def sequence(self, length: int) -> torch.Tensor:
         """The sequence of `length` tokens as stock hands it to user code: a fresh contiguous tensor, the same one for
@@ -194,18 +250,18 @@ class Tail:
         if held is not None and held[1] == length:
             return held[0]
         ids = self.seq[:, :length].clone(memory_format=torch.contiguous_format)
-        self.held = (ids, length, ids._version)
+        self.held = (ids, length)
         return ids
 
-    def settle(self) -> None:
-        """After user code ran on `sequence()`: an in-place edit of it lands in the sequence buffer, the device states
-        made from it and the next forward's input token, as it does in stock (where it is the sequence)."""
+    def settle(self, length: int) -> None:
+        """After user code ran on `sequence(length)`: whatever it wrote into that tensor lands in the sequence buffer,
+        the device states made from it and the next forward's input token, as it does in stock (where it is the
+        sequence). Copied back unconditionally, on the device: no host read tells whether it was edited (a tensor's
+        version counter is private, and raises for inference tensors), and the copy is one small kernel."""
         held = self.held
-        if held is None or held[0]._version == held[2]:
-            return
-        ids, length, _ = held
-        self.held = (ids, length, ids._version)
-        self.seq[:, :length].copy_(ids)
+        if held is None or held[1] != length:
+            return  # not handed out at this length: the sequence buffer is the only copy
+        self.seq[:, :length].copy_(held[0])
         for form in self.forms:
             form.rebuild(length)
         if self.inputs is not None:
@@ -214,10 +270,10 @@ class Tail:
     def _body(self, input_ids: torch.Tensor, advance: bool, watch: bool = False) -> torch.Tensor:
         plan = self.plan
         scores = self.logits
-        for processor in self.processors:
+        for processor, user in zip(self.processors, self.user):
             scores = processor(input_ids, scores)
-            if watch:
-                self.settle()
+            if watch and user:
+                self.settle(input_ids.shape[1])
         if plan.do_sample:
             probs = torch.nn.functional.softmax(scores, dim=-1)
             next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -225,6 +281,8 @@ class Tail:
             next_tokens = torch.argmax(scores, dim=-1)
         if plan.has_eos:
             next_tokens = next_tokens * self.unfinished + self.pad * (1 - self.unfinished)
+            if next_tokens.shape != self.tokens.shape:  # a broadcast `unfinished` (`fold`): stock's cat raises
+                torch.cat([input_ids, next_tokens[:, None]], dim=-1)
         self.tokens.copy_(next_tokens)
         self.seq.index_copy_(1, self.length, next_tokens[:, None])
         for form in self.forms:  # before the length moves on: `self.length` is the token's position

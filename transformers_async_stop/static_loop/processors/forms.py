@@ -58,25 +58,28 @@ _REPETITION_SOURCE = "transformers.generation.logits_process:RepetitionPenaltyLo
 
 
 class RepetitionPenalty(_Form):
-    """`RepetitionPenaltyLogitsProcessor.__call__` (2D scores) on a device "tokens seen" state.
+    """`RepetitionPenaltyLogitsProcessor.__call__` (2D scores) on a device "last position seen" state.
 
     Copied from transformers v5.17.0-v5.24.0. Differences, same values:
     - stock gathers the scores of every id in `input_ids` (past `prompt_ignore_length`), penalizes them
-      (`where(score < 0, score * penalty, score / penalty)`) and scatters them back; here a (batch, vocab) bool
-      `seen` is made once from the prompt and updated after each token (finished rows' pad token included, as in
-      stock's `input_ids`), and the same elementwise penalty is applied where `seen`: the same value per element;
-    - 5.18+ clamp ids to `vocab` and pad the scores by one column, returning a view of the first `vocab` columns:
-      `seen` has the spare column too and the result has the same layout;
-    - a token counts where its position is at or past `prompt_ignore_length` (an int, or on 5.23 one per row), which
-      is stock's slice (or `masked_fill`) of `input_ids`, decided on the device.
+      (`where(score < 0, score * penalty, score / penalty)`) and scatters them back; here a (batch, vocab) `last`
+      holds, per row and id, the last position the id holds in the sequence (-1: none), made once from the prompt
+      and updated after each token (finished rows' pad token included, as in stock's `input_ids`), and the same
+      elementwise penalty is applied where that position counts: the same value per element;
+    - 5.18+ clamp ids to the scores' width and pad the scores by one column, returning a view of the first `vocab`
+      columns: `last` has the spare column too and the result has the same layout;
+    - a token counts where its last position is at or past `prompt_ignore_length` (an int, or on 5.23 one per row),
+      which is stock's slice (or `masked_fill`) of `input_ids`; the tensor is read at every call, as stock reads it
+      (an in-place change of it is honoured, by a replay too).
     Stock raises on a negative id (and, on 5.17, on an id past the vocabulary): where the prompt or the pad token has
-    one, the stock processor runs (one host read per call decides it).
+    one, the stock processor runs (one host read per call decides it); so it does for a negative int
+    `prompt_ignore_length` (a slice from the end) and for scores another processor made narrower or wider.
     """
 
     def __init__(self, processor, variant):
         super().__init__(processor)
         self.padded, self.tensor_ignore = variant
-        self.seen = None
+        self.last = None
         self.ignore = None  # None, an int or a (batch,) tensor: positions before it do not count
         self.vocab = None
 
@@ -90,8 +93,8 @@ class RepetitionPenalty(_Form):
                 return
             ignore = self.processor.prompt_ignore_length = ignore.to(seq.device)  # as stock's first call does
             self.guard = AttrGuard(self.processor)
-        elif not (ignore is None or type(ignore) is int):  # a bool or anything else: stock's own reading of it
-            self.stock = True
+        elif not (ignore is None or type(ignore) is int) or (type(ignore) is int and ignore < 0):
+            self.stock = True  # a bool, a slice from the end, anything else: stock's own reading of it
             return
         if not self.tensor_ignore and not ignore:  # 5.17-5.22 test `if self.prompt_ignore_length:`
             ignore = None
@@ -105,38 +108,40 @@ class RepetitionPenalty(_Form):
         self.rebuild(length)
 
     def rebuild(self, length):
+        """`last` from the first `length` tokens of the sequence, in place (a captured graph reads this tensor)."""
         if self.stock:
             return
         seq = self.seq
         ids = seq[:, :length]
-        columns = self.vocab + 1 if self.padded else self.vocab
         if self.padded:
             ids = ids.clamp(max=self.vocab)
-        if self.ignore is not None:
-            counted = torch.arange(length, device=seq.device)[None, :] >= torch.as_tensor(
-                self.ignore, device=seq.device).reshape(-1, 1)
-            ids = ids.masked_fill(~counted, self.vocab) if self.padded else ids[:, counted[0]]
-        self.seen = torch.zeros((seq.shape[0], columns), dtype=torch.bool, device=seq.device)
-        self.seen.scatter_(1, ids, True)
+        if self.last is None:
+            self.last = torch.empty((seq.shape[0], self.vocab + 1 if self.padded else self.vocab), dtype=torch.long,
+                                    device=seq.device)
+        self.last.fill_(-1)
+        positions = torch.arange(length, device=seq.device).expand(ids.shape)
+        self.last.scatter_reduce_(1, ids, positions, "amax")
 
     def after_token(self, tokens, position):
         if self.stock:
             return
         index = (tokens.clamp(max=self.vocab) if self.padded else tokens)[:, None]
-        if self.ignore is None:
-            self.seen.scatter_(1, index, True)
-        else:
-            counts = (position >= self.ignore).reshape(-1, 1)
-            self.seen.scatter_(1, index, self.seen.gather(1, index) | counts)
+        # positions only grow: the new one is the id's last
+        self.last.scatter_(1, index, position.reshape(1, 1).expand(index.shape))
 
     def __call__(self, input_ids, scores):
-        if self._changed():
+        if self._changed() or scores.shape[-1] != self.vocab:
+            self.stock = True  # another processor changed the width: stock sizes everything by `scores`
             return self._stock_call(input_ids, scores)
         penalty = self.processor.penalty
         if self.padded:
             scores = torch.nn.functional.pad(scores, (0, 1))
         penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
-        processed = torch.where(self.seen, penalized, scores)
+        seen = self.last >= 0
+        if self.ignore is not None:
+            ignore = self.ignore.reshape(-1, 1) if isinstance(self.ignore, torch.Tensor) else self.ignore
+            seen &= self.last >= ignore
+        processed = torch.where(seen, penalized, scores)
         return processed[..., : self.vocab] if self.padded else processed
 
     def _changed(self):
@@ -244,7 +249,8 @@ class NoRepeatNGram(_Form):
         return (length < self.n,)
 
     def __call__(self, input_ids, scores):
-        if self._changed():
+        if self._changed() or scores.shape[-1] != self.vocab:
+            self.stock = True  # another processor changed the width: stock sizes everything by `scores`
             return self._stock_call(input_ids, scores)
         n = self.n
         if input_ids.shape[-1] < n:

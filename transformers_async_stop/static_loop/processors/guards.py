@@ -17,8 +17,11 @@ class AttrGuard:
     A captured graph bakes a processor's Python scalars (`temperature`, `top_k`, `penalty`...) and its tensors'
     addresses in; a change after capture is one the graph would ignore. Compared, before every replay: the type and
     its `__call__`; each attribute, scalars by value (and type), containers by value (a deep copy compared with ==; a
-    container that holds tensors element by element), tensors by identity and `_version` (an in-place edit bumps
-    it), anything else by identity. The common case, every attribute still the same object, is one C-level pass.
+    container that holds tensors element by element), tensors by identity and layout (memory, shape, strides,
+    dtype: what a replay bakes in), anything else by identity. A tensor's values are not compared: every captured
+    processor reads its tensors on the device, so a replay reads them as they are, as stock's call does (an
+    in-place edit is honoured); no private counter is read (`_version` raises for inference tensors). The common
+    case, every attribute still the same object, is one C-level pass.
     """
 
     __slots__ = ("obj", "kind", "call", "items", "size", "get", "refs", "tensors", "containers")
@@ -33,7 +36,7 @@ class AttrGuard:
         keys = tuple(attrs)
         self.get = operator.itemgetter(*keys, *keys[:1])  # always a tuple (one more item, where there is one)
         self.refs = tuple(attrs.values()) + tuple(attrs.values())[:1]
-        self.tensors = tuple((value, value._version) for value in attrs.values() if isinstance(value, torch.Tensor))
+        self.tensors = tuple((value, _layout(value)) for value in attrs.values() if isinstance(value, torch.Tensor))
         self.containers = tuple((key, value, snap) for key, value, snap in self.items if isinstance(snap, _Frozen))
 
     def unchanged(self) -> bool:
@@ -51,8 +54,8 @@ class AttrGuard:
                 return False
             if not all(map(operator.is_, current, self.refs)):
                 return self._rebound()
-        for tensor, version in self.tensors:
-            if tensor._version != version:
+        for tensor, layout in self.tensors:
+            if _layout(tensor) != layout:
                 return False
         for key, ref, snap in self.containers:
             if not _same(attrs[key], ref, snap):
@@ -63,6 +66,11 @@ class AttrGuard:
         """Some attribute is another object: unchanged only if every one is equal to what it was."""
         attrs = self.obj.__dict__
         return all(_same(attrs.get(key, _MISSING), ref, snap) for key, ref, snap in self.items)
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    """What a captured graph bakes in of a tensor it reads: where its memory is and how it is laid out."""
+    return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
 
 
 class _Frozen:
@@ -77,7 +85,7 @@ class _Frozen:
 
 def _snapshot(value):
     if isinstance(value, torch.Tensor):
-        return value._version
+        return _layout(value)
     if type(value) in _SCALARS:
         return None
     if isinstance(value, (list, tuple, dict, set, frozenset)):
@@ -89,7 +97,7 @@ def _snapshot(value):
 
 def _same(value, ref, snap) -> bool:
     if isinstance(ref, torch.Tensor):
-        return value is ref and value._version == snap
+        return value is ref and _layout(value) == snap
     if type(ref) in _SCALARS:
         return value is ref or (type(value) is type(ref) and value == ref)
     if isinstance(snap, _Frozen):
@@ -103,7 +111,7 @@ class _TensorMark:
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor):
-        self.tensor, self.version = tensor, tensor._version
+        self.tensor, self.version = tensor, _layout(tensor)
 
     def __eq__(self, other):
         return isinstance(other, _TensorMark) and other.tensor is self.tensor and other.version == self.version
