@@ -149,7 +149,9 @@ def add(sc: dict, device: str) -> None:
         for crit in turn["criteria"]:
             if crit["kind"] != "python_bool" and side.random() < 0.25:
                 crit["ret"] = _ret(side)
-                if crit["ret"]["shape"] == "col" and turn["eos"] is not None and side.random() < 0.8:
+                needs_eos = "exponential_decay_length_penalty" in turn.get("config_procs", {})
+                if crit["ret"]["shape"] == "col" and turn["eos"] is not None and side.random() < 0.8 \
+                        and not needs_eos:
                     # with an EOS id, stock's own loop fails on a (batch, 1) verdict (the unfinished rows become
                     # (batch, batch), then its next tokens 3-D): most such draws run without EOS, where stock
                     # broadcasts it and returns

@@ -12,6 +12,7 @@ a cache left wrong by one turn shows in the next. A turn where stock raises (oth
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import random
@@ -145,8 +146,9 @@ def _model(sc, device, model_seed):
     return model
 
 
-def _inputs(sc, turn, t, model, device, state, result, rooms):
-    """The turn's conversation, mask and cache (`state`: conv, mask, cache, cache_i), made where the turn says."""
+def _inputs(sc, turn, t, model, device, state, result, rooms, grad):
+    """The turn's conversation, mask and cache (`state`: conv, mask, cache, cache_i), made where the turn says (a
+    cache made inside `inference_mode` only for a call made inside it too: stock's cache updates outside it raise)."""
     batch = turn["batch"]
     conv, mask, cache = state["conv"], state["mask"], state["cache"]
     if conv is None or turn.get("restart") or batch != conv.shape[0]:
@@ -157,7 +159,8 @@ def _inputs(sc, turn, t, model, device, state, result, rooms):
                 pad = min(row % 3, turn["prompt_len"] - 1)
                 conv[row, :pad], mask[row, :pad] = PAD, 0
         if not (turn.get("stale_cache") and cache is not None):
-            cache = _new_cache(sc, model, batch, result, rooms)
+            with contextlib.nullcontext() if grad == "inference_mode" else torch.inference_mode(False):
+                cache = _new_cache(sc, model, batch, result, rooms)
             state["cache_i"] = len(result.used) - 1
     else:
         user = _tokens(sc["seed"] * 101 + t, (batch, turn["user_len"]), device)
@@ -178,7 +181,7 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
     state = {"conv": None, "mask": None, "cache": None, "cache_i": -1}
     for t, turn in enumerate(sc["turns"]):
         with grad_context(turn.get("made_in")):
-            _inputs(sc, turn, t, model, device, state, result, rooms)
+            _inputs(sc, turn, t, model, device, state, result, rooms, turn.get("grad", sc.get("grad")))
         conv, mask, cache = state["conv"], state["mask"], state["cache"]
         past = int(cache.get_seq_length()) if cache is not None else 0
         ids = conv[:, past:] if turn["feed"] == "new" and cache is not None else conv
@@ -202,6 +205,8 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
             if key in turn:
                 kwargs[key] = turn[key]
         kwargs["return_dict_in_generate"] = turn["return_dict"]
+        if turn.get("alias_probe"):  # the probe looks at the per-step scores and logits: both asked for
+            kwargs.update(return_dict_in_generate=True, output_scores=True, output_logits=True)
         if cache is not None:
             kwargs["past_key_values"] = cache
         elif sc["cache"] in ("returned_static", "config_static"):
