@@ -44,6 +44,7 @@ def main():
     import transformers
 
     transformers.logging.set_verbosity_error()
+    import usage_dimensions
     from usage_runner import check
     from usage_scenarios import draw, dumps, shrink
 
@@ -97,6 +98,10 @@ def main():
           f" in {elapsed:.0f}s ({time.process_time() - cpu0:.0f}s of CPU)")
     for reason, n in skips.most_common(8):
         print(f"  skipped {n}: stock raised {reason}")
+    by_value = collections.Counter(v for f in failures for v in usage_dimensions.reached(f["scenario"]))
+    if by_value:  # issue 25's dimension values among the failing scenarios (not proof of cause: shrink for that)
+        print("  failing scenarios per dimension value: " +
+              ", ".join(f"{v} {n}" for v, n in sorted(by_value.items(), key=lambda kv: -kv[1])))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"transformers": transformers.__version__, "device": args.device, "counts": counts,

@@ -5,9 +5,14 @@ Observed after each turn (each generate() call): the output (sequences, scores, 
 state) or the exception (type and message), the user cache's whole state (`adversarial_helpers.cache_state`: keys,
 values, counters), every streamer put and end, what each processor and criterion received at each call (ids and
 scores, copied) and what it kept by reference, what nested generate() calls returned, the settings the callbacks
-changed, and one `torch.rand(4)` draw (the RNG state). The next turn is built from the run's own output and cache, so
-a cache left wrong by one turn shows in the next. A turn where stock raises (other than a callback's deliberate
-`Boom`, or `Interrupt`, a KeyboardInterrupt) ends the scenario; the flag must raise the same there, and the scenario counts as "stock errs".
+changed, and one `torch.rand(4)` draw (the RNG state); for issue 25's dimensions (usage_dimensions.py) also the
+model's module state (buffers, parameters, plain attributes such as a rotary module's cached length; hook counts on a
+model built for the run), whether the output's and the cache's tensors are inference tensors, the grad / inference
+mode right after the call, one Python `random` draw and the callbacks' module and class globals, what a hook or a
+class-level forward installed by the caller saw, and (aliasing probe) which returned / received tensors alias.
+The next turn is built from the run's own output and cache, so a cache left wrong by one turn shows in the next. A
+turn where stock raises (other than a callback's deliberate `Boom`, or `Interrupt`, a KeyboardInterrupt) ends the
+scenario; the flag must raise the same there, and the scenario counts as "stock errs".
 """
 
 from __future__ import annotations
