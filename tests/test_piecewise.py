@@ -15,6 +15,7 @@ aside, equal to stock.
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import os
 import tempfile
@@ -138,6 +139,57 @@ class StepsAside(unittest.TestCase):
 
     def test_gradients_enabled_step_aside(self):
         self.assertEqual(_why_with_grad(build("llama")), "gradients enabled")
+
+    def test_a_class_forward_replaced_steps_aside(self):
+        import transformers.models.llama.modeling_llama as modeling
+
+        model = build("llama")
+        self.assertEqual(why(model), "not CUDA (cpu)")  # the classes' methods as first seen
+        original = modeling.LlamaMLP.forward
+        modeling.LlamaMLP.forward = functools.wraps(original)(lambda self, x: original(self, x))
+        try:
+            # a `functools.wraps` wrapper has the original's source: the digests alone would take it
+            self.assertEqual(why(model), "LlamaMLP.forward was replaced")
+        finally:
+            modeling.LlamaMLP.forward = original
+        self.assertEqual(why(model), "not CUDA (cpu)")
+
+    def test_a_module_function_rebound_steps_aside(self):
+        import transformers.models.llama.modeling_llama as modeling
+
+        model = build("llama")
+        self.assertEqual(why(model), "not CUDA (cpu)")
+        original = modeling.apply_rotary_pos_emb
+        modeling.apply_rotary_pos_emb = functools.wraps(original)(lambda *args, **kwargs: original(*args, **kwargs))
+        try:
+            self.assertEqual(why(model), f"{modeling.__name__}.apply_rotary_pos_emb was replaced")
+        finally:
+            modeling.apply_rotary_pos_emb = original
+
+    def test_a_class_forward_replaced_mid_call_is_seen_before_the_next_replay(self):
+        import transformers.models.llama.modeling_llama as modeling
+
+        model = build("llama")
+        why(model)
+        call = forward.PiecewiseForward(model, model.__call__, None)
+        self.assertIsNone(call._why_not_observed())
+        original = modeling.LlamaForCausalLM.forward
+        modeling.LlamaForCausalLM.forward = functools.wraps(original)(lambda *args, **kwargs: original(*args, **kwargs))
+        try:
+            self.assertEqual(call._why_not_observed(), "LlamaForCausalLM.forward was replaced")
+        finally:
+            modeling.LlamaForCausalLM.forward = original
+        self.assertIsNone(call._why_not_observed())
+
+    def test_a_hook_added_mid_call_is_seen_before_the_next_replay(self):
+        model = build("llama")
+        call = forward.PiecewiseForward(model, model.__call__, None)
+        handle = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda *args: None)
+        try:
+            self.assertEqual(call._why_not_observed(), "a hook was added")
+        finally:
+            handle.remove()
+        self.assertIsNone(call._why_not_observed())
 
     def test_an_unread_release_steps_aside(self):
         with mock.patch.object(eligibility, "matches", lambda name: False):

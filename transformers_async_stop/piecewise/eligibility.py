@@ -109,11 +109,36 @@ def why_not_model(model, model_forward) -> str | None:
     why = why_observed(model)
     if why is not None:
         return why
+    why = why_rebound(watched(model, module))
+    if why is not None:
+        return why
     if not matches(f"piecewise forward ({name})"):
         return f"transformers' {name} sources are not the ones read"
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda":
         return f"not CUDA ({device.type})"
+    return None
+
+
+# (owner, attribute) -> the object first seen there by this process: a replay runs none of these, so one rebound since
+# (a class-level forward wrapper, a patched module function) must send the call to the eager forward. A wrapper made
+# with `functools.wraps` has the original's source (`inspect.getsource` unwraps it), so the digests cannot see it.
+_FIRST_SEEN: dict = {}
+_WATCHED_GLOBALS = ("apply_rotary_pos_emb", "rotate_half", "create_causal_mask", "ALL_ATTENTION_FUNCTIONS")
+
+
+def watched(model, module) -> list:
+    """(owner, attribute, the object first seen there) for every class method and module function a replay skips:
+    `forward` and `__call__` of each module class of the model, and the modeling module's functions it calls."""
+    pairs = [(cls, name) for cls in {type(m) for m in model.modules()} for name in ("forward", "__call__")]
+    pairs += [(module, name) for name in _WATCHED_GLOBALS if hasattr(module, name)]
+    return [(owner, name, _FIRST_SEEN.setdefault((owner, name), getattr(owner, name))) for owner, name in pairs]
+
+
+def why_rebound(entries) -> str | None:
+    for owner, name, first in entries:
+        if getattr(owner, name, None) is not first:
+            return f"{getattr(owner, '__name__', owner)}.{name} was replaced"
     return None
 
 

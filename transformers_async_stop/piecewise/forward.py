@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
+import sys
 import threading
 import weakref
 
@@ -99,6 +100,8 @@ class PiecewiseForward:
             module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
             getattr(module, "_backward_pre_hooks", {}))]
         self.module_dicts = [module.__dict__ for module in every]
+        rebound = eligibility.watched(model, sys.modules[type(base).__module__])
+        self.rebound = tuple(map(list, zip(*rebound))) if rebound else ([], [], [])
         self.every = every
         self.device = model.get_input_embeddings().weight.device
         self.off = None  # why the rest of the call runs eagerly
@@ -192,6 +195,9 @@ class PiecewiseForward:
             return "a forward was wrapped"
         if any(map(_TRAINING, self.every)):
             return "training mode"
+        owners, names, first = self.rebound
+        if any(map(operator.is_not, map(getattr, owners, names), first)):
+            return eligibility.why_rebound(zip(owners, names, first))
         if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
             return "the attention implementation changed"
         return None
