@@ -149,10 +149,11 @@ class MidCallChangesEqualStock(unittest.TestCase):
 
         self._both(run)
 
-    @parameterized.expand([("reset", lambda cache: cache.reset()), ("crop", lambda cache: cache.crop(-2))])
-    def test_a_cache_changed_mid_call_gives_stocks_output(self, _, change):
+    @parameterized.expand([(name, padded) for name in ("reset", "crop") for padded in (True, False)])
+    def test_a_cache_changed_mid_call_gives_stocks_output(self, name, padded):
+        change = {"reset": lambda cache: cache.reset(), "crop": lambda cache: cache.crop(-2)}[name]
         model = build("llama")
-        ids, mask = prompt(batch=3, left_pad=True)
+        ids, mask = prompt(batch=3, left_pad=padded)
 
         def run(flag):
             cache = DynamicCache(config=model.config)
