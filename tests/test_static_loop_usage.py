@@ -390,6 +390,20 @@ class StaticLoopUsageCuda(StaticLoopUsage):
 
     device = "cuda"
 
+    @parameterized.expand([("greedy", False), ("sampling", True)])
+    def test_the_blog_experiment_with_the_compiled_forward(self, _, sampling):
+        # as the blog ran it: `@torch.inference_mode()`, a static cache, the forward compiled by generate() itself
+        model = self.model()
+        ids, mask = self.ids(batch=1, left_pad=False)
+
+        @torch.inference_mode()
+        def run(flag):
+            return model.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=4, pad_token_id=PAD,
+                                  eos_token_id=[5, 9], do_sample=sampling, cache_implementation="static", **flag)
+
+        self.assert_as_stock(run)
+        self.assertEqual(last_path().tail, "captured", last_path())
+
 
 if __name__ == "__main__":
     unittest.main()
