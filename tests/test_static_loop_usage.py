@@ -403,6 +403,7 @@ class StaticLoopUsageCuda(StaticLoopUsage):
 
         self.assert_as_stock(run)
         self.assertEqual(last_path().tail, "captured", last_path())
+        self.assertIsNone(last_path().reason, "the call kept its plan (in-place inputs, captured tail) throughout")
 
 
 if __name__ == "__main__":
