@@ -295,6 +295,28 @@ class Staleness(unittest.TestCase):
         self.assertTrue(self.graphs.changed())
 
 
+class AttentionSwap(unittest.TestCase):
+    """The recording's registry swap (`graphs._swapped_attention`): other callers pass through, nothing survives."""
+
+    def test_the_registry_is_restored_after_an_error_and_other_callers_pass_through(self):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from transformers_async_stop.piecewise import graphs
+
+        model = build("llama")
+        ids = torch.tensor([[3, 4, 5]])
+        before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        had_local = "sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping
+        with torch.no_grad():
+            ref = model(ids).logits
+            with self.assertRaises(KeyboardInterrupt), graphs._swapped_attention("sdpa"):
+                self.assertIsNot(ALL_ATTENTION_FUNCTIONS["sdpa"], before)
+                self.assertTrue(torch.equal(model(ids).logits, ref))  # no recording under way: the original runs
+                raise KeyboardInterrupt
+        self.assertIs(ALL_ATTENTION_FUNCTIONS["sdpa"], before)
+        self.assertEqual("sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping, had_local)
+
+
 class Store(unittest.TestCase):
     def test_a_models_recordings_are_freed_with_it(self):
         model = build("llama")
