@@ -76,7 +76,7 @@ def _mutation(rng, sc, steps, whats=MUTATIONS):
     return spec
 
 
-def _new_processor(rng, sc, steps) -> list:
+def _new_processor(rng, sc, steps, device) -> list:
     kind = _weighted(rng, NEW_PROCESSORS)
     if kind == "hidden":
         spec = {"kind": "hidden", "store": rng.choice(HIDDEN), "token": rng.randrange(3, VOCAB)}
@@ -90,8 +90,9 @@ def _new_processor(rng, sc, steps) -> list:
         else:
             # narrowed by one: a prompt token at V-1 makes stock's own penalty processors index past the width
             # (stock raises: a skipped scenario); by more, only processors that do not index by token follow
+            # (on CUDA that index is a device-side assert, which ends the process: never drawn there)
             delta = -rng.choice((1, 1, 4))
-            then = rng.sample(WIDEN_THEN if delta == -1 else NARROW_THEN, rng.randint(0, 2))
+            then = rng.sample(WIDEN_THEN if delta == -1 and device == "cpu" else NARROW_THEN, rng.randint(0, 2))
         return [{"kind": "width", "delta": delta}] + [_builtin(rng, name, VOCAB + min(delta, 0)) for name in then]
     if kind == "mutator":
         return [{**_mutation(rng, sc, steps), "role": "processor"}]
@@ -141,7 +142,7 @@ def add(sc: dict, device: str) -> None:
         if side.random() < (0.1 if t > 0 else 0.04):
             turn["before"] = _mutation(side, sc, steps, BEFORE)
         for _ in range((side.random() < 0.35) + (side.random() < 0.1)):
-            block = _new_processor(side, sc, steps)
+            block = _new_processor(side, sc, steps, device)
             at = side.randint(0, len(turn["processors"]))
             turn["processors"][at:at] = block
         if side.random() < 0.3:
