@@ -11,6 +11,7 @@ context, `no_grad` and `inference_mode`. CUDA: static-cache generate() with such
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import itertools
@@ -65,6 +66,16 @@ class TagsItsOutput(LogitsProcessor):
 class TagsThroughDict(LogitsProcessor):
     def __call__(self, input_ids, scores):
         scores.__dict__["_mark"] = 1
+        return scores * 2
+
+
+class _Marked(torch.Tensor):
+    pass
+
+
+class RetypesScores(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        scores.__class__ = _Marked  # a later processor's torch functions would see the subclass
         return scores * 2
 
 
@@ -123,10 +134,13 @@ class ReadsGrad(LogitsProcessor):
 
 
 # --- writes to torch's and the standard library's modules and classes, through an alias ------------------------------
-_ALIASED = ((torch.Tensor, "_purity_calls"), (torch.nn.functional, "_purity_calls"), (math, "_purity_calls"))
+_ALIASED = ((torch.Tensor, "_purity_calls"), (torch.nn.functional, "_purity_calls"), (math, "_purity_calls"),
+            (builtins, "_purity_calls"))
 
 
 def _clear_aliased():
+    global _M
+    _M = 0
     for owner, name in _ALIASED:
         if name in vars(owner):
             delattr(owner, name)
@@ -148,6 +162,36 @@ def _counts_on_module(which):
         return scores / module._purity_calls
     call.__name__ = f"counts_on_{which}"
     return call
+
+
+_M = 0
+
+
+def _through_globals(input_ids, scores):
+    namespace = _through_globals.__globals__
+    namespace["_M"] += 1
+    return scores / namespace["_M"]
+
+
+def _through_a_traceback(input_ids, scores):
+    try:
+        raise ValueError
+    except ValueError as error:
+        namespace = error.__traceback__.tb_frame.f_globals
+    namespace["_M"] += 1
+    return scores / namespace["_M"]
+
+
+def _through_a_computed_name(input_ids, scores):
+    namespace = getattr(_through_a_computed_name, "__glob" + "als__")  # no scan sees the name
+    namespace["_M"] += 1
+    return scores / namespace["_M"]
+
+
+def _through_builtins(input_ids, scores):
+    namespace = len.__self__.__dict__
+    namespace["_purity_calls"] = namespace.get("_purity_calls", 0) + 1
+    return scores / namespace["_purity_calls"]
 
 
 # --- draws from the CPU generator ------------------------------------------------------------------------------------
@@ -271,11 +315,17 @@ _PERF = time.perf_counter
 HIDDEN = {
     "sets_an_attribute_on_scores": TagsScores, "sets_an_attribute_on_input_ids": TagsInputIds,
     "sets_an_attribute_on_its_output": TagsItsOutput, "sets_an_attribute_through_dict": TagsThroughDict,
+    "sets_the_class_of_scores": RetypesScores,
     "counter_on_a_held_tensor": TensorCounter, "list_on_a_held_tensor": TensorHistory,
     "counter_on_a_global_tensor": GlobalTensorCounter, "reads_a_held_tensors_grad": ReadsGrad,
     "counter_on_the_tensor_class": CountsOnTensorClass,
     **{f"counter_on_a_{k}_module": functools.partial(_counts_on_module, k) for k in ("torch", "math")},
-    "cpu_generator_jitter": CpuJitter, "cpu_generator_noise": Noise, **{f"cpu_generator_{k}": functools.partial(_cpu_draw, k) for k in CPU_DRAWS},
+    "counter_through_a_functions_globals": lambda: _through_globals,
+    "counter_through_a_frames_globals": lambda: _through_a_traceback,
+    "counter_through_a_computed_attribute_name": lambda: _through_a_computed_name,
+    "counter_in_builtins": lambda: _through_builtins,
+    "cpu_generator_jitter": CpuJitter, "cpu_generator_noise": Noise,
+    **{f"cpu_generator_{k}": functools.partial(_cpu_draw, k) for k in CPU_DRAWS},
 }
 
 

@@ -24,11 +24,24 @@ and `sys.setprofile`, and rejects it (capturable False) if it:
   replayed on a fixed view, so neither the values nor the length of `input_ids` may be read;
 - writes in place a tensor it did not create in the call (its inputs or tensor state), or sets a tensor's fields
   (`t.data = ...`, `requires_grad_()`, hooks);
-- draws from an explicit `torch.Generator`. Only the device's default generator is registered to a CUDA graph
-  (`CUDAGraph::capture_begin`; `CUDAGeneratorState` keeps a per-capture philox offset that each replay advances,
-  see ATen/cuda/CUDAGeneratorImpl.h), so its draws in a replay are the ones eager would make;
-- changes state it can reach (attributes, class attributes, globals, closures, containers: fingerprinted before the
-  call, compared after), writes a global, imports, or raises (the exception propagates, as in stock);
+- draws from an explicit `torch.Generator`, or from any generator but the default one of the device of its inputs
+  (a CPU draw such as `torch.rand(())` would be made once at capture and its value baked in). Only the device's
+  default generator is registered to a CUDA graph (`CUDAGraph::capture_begin`; `CUDAGeneratorState` keeps a
+  per-capture philox offset that each replay advances, see ATen/cuda/CUDAGeneratorImpl.h), so its draws in a replay
+  are the ones eager would make. Seeding or reading a generator's state (`torch.manual_seed`, `get_rng_state`,
+  `fork_rng`, `Generator.manual_seed`) runs torch Python outside the allowed entries or a C method of a generator:
+  refused like any other such call, as are Python's `random` and NumPy's (modules and C objects, below);
+- changes state it can reach (attributes, class attributes, globals, closures, defaults, containers, and the Python
+  attributes of the tensors it holds: fingerprinted before the call, compared after), writes a global, imports, or
+  raises (the exception propagates, as in stock);
+- keeps or reads state as Python attributes on the tensors it is given or returns (`scores._mark = n`): a tensor's
+  attributes are read and written without any Python or torch function the instruments see, and stock hands out
+  new tensors each step. A processor whose inputs carry attributes, or that leaves one on its inputs or result, is
+  refused;
+- writes, through an alias, the namespace of a module or a trusted class (`type(scores).n += 1`,
+  `f = torch.nn.functional; f.n = 1`; the globals of any function met, builtins, `torch.Tensor`: compared once
+  after the call), reaches a namespace or frame by name (`__globals__`, `f_globals`, `tb_frame`, `__self__`, ...),
+  or reads a tensor's `.grad` or `grad_fn` (C fields user code may rebind between steps);
 - runs Python code not reached through the snapshotted state, calls into torch modules other than the tensor ops
   and `nn.Module` machinery, or calls a C function not known to be pure (`print`, `time.time`, `random.random`);
 - holds state no fingerprint can see: objects of C types other than tensors, containers, functions and scalars;
@@ -38,13 +51,16 @@ and `sys.setprofile`, and rejects it (capturable False) if it:
 The snapshot holds one node per mutable thing the call could read: the processor, its classes (with the `__call__`
 code), the globals and attribute paths each executed code object reads, closures, defaults, containers, tensors
 (identity, storage, shape, strides; a CPU tensor's values too, as capture bakes a 0-dim CPU operand into the launch),
-torch's default dtype and grad mode. Deterministic Python that reads the same state and the same tensor metadata
+torch's default dtype and grad mode, and the global module hooks when it holds an `nn.Module` (its call runs
+them). Deterministic Python that reads the same state and the same tensor metadata
 takes the same path, so a capture made while `unchanged()` holds launches what `observe` saw. A CUDA tensor in the
 state may be written in place between steps: the graph reads its memory live, as eager would.
 
-Trusted, unchecked: torch's own Python (not monkeypatched during a call; torch modules, torch classes and global
-hooks compared by identity only). Under `torch.compiler.is_compiling()` nothing is instrumented. While another
-profiler is set (`sys.getprofile()`) nothing is proven, and every processor runs eagerly.
+Trusted, unchecked: torch's own Python (not monkeypatched during a call; torch modules and classes compared by
+identity only at a replay: an attribute a user adds to one between steps and a processor reads through an alias, or
+a function's globals read through a computed attribute name, are not seen). Under `torch.compiler.is_compiling()`
+nothing is instrumented. While another profiler is set (`sys.getprofile()`) nothing is proven, and every processor
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -89,7 +105,7 @@ class Guard:
             return self.processor(input_ids, scores)
         rec = _Recorder(input_ids)
         if _tagged(input_ids, scores):  # it may read them (`getattr(scores, "_mark", 0)`) unseen: no proof
-            rec.fail("its inputs carry Python attributes, which it may read and a capture would bake in")
+            rec.fail("its inputs carry Python attributes or a class, which it may read and a capture would bake in")
         rec.add_root(("processor", self.processor))
         try:
             with _FunctionWatch(rec), _DispatchWatch(rec):
@@ -108,7 +124,7 @@ class Guard:
         if not isinstance(out, torch.Tensor) or out is rec.input_ids:
             rec.fail(f"it returned {'input_ids' if out is rec.input_ids else type(out).__name__}, not new scores")
         elif _tagged(rec.input_ids, scores, out):  # a replay sets no attribute: stock's fresh tensors would carry it
-            rec.fail("it set a Python attribute on a tensor it was given or returns (`scores._mark = ...`)")
+            rec.fail("it set a Python attribute or the class of a tensor it was given or returns (`scores._m = 1`)")
         snapshot = rec.snapshot
         try:
             if rec.reason is None and not snapshot.holds():
@@ -116,7 +132,7 @@ class Guard:
         except Exception as error:
             rec.fail(f"its state cannot be fingerprinted again ({type(error).__name__})")
         if rec.reason is None and not snapshot.trusted_held():
-            rec.fail("it changed a torch or standard module or class (an attribute set through an alias)")
+            rec.fail("it changed a module's globals, or a torch or standard class, through an alias")
         for code in rec.executed:  # all the Python it ran must be code whose reads the snapshot covers
             if rec.reason is None and not any(code is c or _nested_in(code, c) for c in snapshot.codes):
                 rec.fail(f"it ran {code.co_name} ({code.co_filename}), not reached through state the guard sees")
@@ -139,9 +155,10 @@ class Guard:
 
 
 def _tagged(*tensors) -> bool:
-    """Whether any of these tensors has Python attributes (a `__dict__` entry), which no fingerprint of the call
-    covers: attribute reads and writes on a tensor run no Python and no torch function the instruments could see."""
-    return any(isinstance(t, torch.Tensor) and t.__dict__ for t in tensors)
+    """Whether any of these tensors has Python attributes (a `__dict__` entry) or a class other than a plain tensor
+    (`scores.__class__ = Sub`), which no fingerprint of the call covers: attribute reads and writes on a tensor run no
+    Python and no torch function the instruments could see."""
+    return any(isinstance(t, torch.Tensor) and (t.__dict__ or type(t) is not torch.Tensor) for t in tensors)
 
 
 def _nested_in(code, outer) -> bool:

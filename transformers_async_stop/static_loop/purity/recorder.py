@@ -35,7 +35,8 @@ _HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__"
                "__str__", "__format__", "__hash__", "__reduce_ex__", "__deepcopy__", "equal", "allclose",
                "is_nonzero", "is_set_to", "_version", "__setstate__", "pin_memory",
                # not host reads, but changes to a tensor's fields that no replay would repeat
-               "requires_grad_", "retain_grad", "register_hook", "share_memory_", "record_stream"}
+               "requires_grad_", "retain_grad", "register_hook", "share_memory_", "record_stream",
+               "register_post_accumulate_grad_hook"}
 # a tensor's C fields that hold other objects, which user code may rebind between steps unseen by any fingerprint
 _C_FIELDS = {"grad", "_grad", "grad_fn", "_backward_hooks", "_post_accumulate_grad_hooks"}
 _INPUT_IDS_METADATA = {"device", "dtype", "ndim", "dim", "is_cuda", "__len__"}
@@ -45,6 +46,10 @@ _METADATA_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "d
 _TENSOR_RETURNS = {"Tensor", "Tensor[]", "Tensor?", "Tensor?[]"}
 _FORBIDDEN_OPS = {"STORE_GLOBAL", "DELETE_GLOBAL", "IMPORT_NAME", "IMPORT_FROM", "IMPORT_STAR", "LOAD_NAME",
                   "STORE_NAME", "DELETE_NAME"}
+# attributes that reach a namespace or a frame no fingerprint covers (`f.__globals__["n"] += 1`,
+# `error.__traceback__.tb_frame.f_globals`): read or named as a constant (`getattr(f, "__globals__")`), no proof
+_INTROSPECTION = frozenset(("__globals__", "__builtins__", "f_globals", "f_locals", "f_builtins", "f_back", "tb_frame",
+                            "gi_frame", "cr_frame", "ag_frame", "__self__"))
 _SCANS: dict = {}  # code object -> (global attribute paths it reads, why it cannot be proven): bytecode never changes
 
 
@@ -58,6 +63,9 @@ def _scan(code):
     for n, i in enumerate(ins):
         if i.opname in _FORBIDDEN_OPS:
             reason = f"{code.co_name} uses {i.opname} (writes or imports names)"
+        elif (i.opname in ("LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR", "LOAD_CONST", "LOAD_SUPER_ATTR")
+              and type(i.argval) is str and i.argval in _INTROSPECTION):
+            reason = f"{code.co_name} reaches {i.argval}, a namespace or frame the guard cannot fingerprint"
         elif i.opname == "LOAD_GLOBAL":
             path, k = [i.argval], n + 1
             while k < len(ins) and ins[k].opname in ("LOAD_ATTR", "LOAD_METHOD"):

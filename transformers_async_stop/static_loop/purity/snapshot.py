@@ -6,11 +6,13 @@ the call reaches globals and attribute paths; `Guard.unchanged` compares its fin
 
 from __future__ import annotations
 
+import builtins
 import collections
 import operator
 import types
 
 import torch
+from torch.nn.modules import module as _nn_module
 
 _LIMIT = 5000  # objects in one snapshot
 _NODES = 256  # fingerprints checked before each replay (about 0.5 us each): more would cost what capture saves
@@ -35,9 +37,12 @@ class _Snapshot:
     def __init__(self):
         self.nodes = [(_fp_torch_state, None, _fp_torch_state(None))]
         self.keep, self.codes, self._seen = [], set(), set()
-        self.trusted = []  # (owner, keys, values): the trusted modules and classes met, compared once after the call
+        # (namespace, keys, values): the trusted modules and classes met and the globals of every function met,
+        # compared once after the observed call (`trusted_held`)
+        self.trusted, self._watched = [], set()
         self._hooks = False
         self._watch(torch.Tensor)  # reached through any tensor (`type(scores).calls = ...`), with no path
+        self._watch(builtins)  # reached through any builtin function, with no path
 
     def holds(self) -> bool:
         for fingerprint, obj, expected in self.nodes:
@@ -47,14 +52,16 @@ class _Snapshot:
 
     def _watch(self, owner) -> None:
         # a trusted module or class is compared by identity only at each replay (torch's Python is not changed
-        # during a call), but the observed call itself must not write one (`F = torch.nn.functional; F.n = 1`,
-        # `type(scores).n += 1`): its namespace, kept here, is compared once after the call (`trusted_held`)
-        d = vars(owner)
-        self.trusted.append((owner, tuple(d), tuple(d.values())))
+        # during a call), and a module's globals by the attribute paths its code reads; but the observed call itself
+        # must not write one through an alias (`F = torch.nn.functional; F.n = 1`, `type(scores).n += 1`): its
+        # namespace (a live view for a class), kept here, is compared once after the call (`trusted_held`)
+        d = owner if type(owner) is dict else vars(owner)
+        if id(d) not in self._watched:
+            self._watched.add(id(d))
+            self.trusted.append((d, tuple(d), tuple(d.values())))
 
     def trusted_held(self) -> bool:
-        for owner, keys, values in self.trusted:
-            d = vars(owner)
+        for d, keys, values in self.trusted:
             if (len(d) != len(keys) or not all(map(operator.is_, keys, d))
                     or not all(map(operator.is_, values, d.values()))):
                 return False
@@ -111,6 +118,7 @@ class _Snapshot:
         elif t is types.FunctionType:
             self.codes.add(v.__code__)
             self._node(_fp_function, v)
+            self._watch(v.__globals__)
             self._own(v.__dict__)
             for part in (v.__defaults__, v.__kwdefaults__, *(_cell(c) for c in v.__closure__ or ())):
                 self.freeze(part)
@@ -214,9 +222,8 @@ def _fp_torch_state(_):
 
 def _module_hooks() -> tuple:
     # the hooks `nn.Module.__call__` runs for every module (`register_module_forward_hook`, ...): dicts in torch's
-    # module namespace; a release without one has nothing to compare
-    from torch.nn.modules import module
-    return tuple(d for d in (getattr(module, name, None) for name in _HOOK_DICTS) if isinstance(d, dict))
+    # module namespace, read by name at each check (torch could rebind one); a release without one has none to compare
+    return tuple(d for d in (getattr(_nn_module, name, None) for name in _HOOK_DICTS) if isinstance(d, dict))
 
 
 _HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
