@@ -507,3 +507,11 @@ class EagerTailEqualsStock(unittest.TestCase):
         (ref, ref_rng), (on, on_rng) = _both(model, ids, mask, HIDDEN[name], True)[0]
         assert_same(self, ref, on)
         self.assertTrue(torch.equal(ref_rng, on_rng))
+
+    @parameterized.expand([("extra_softmax",), ("counter_on_a_held_tensor",)])
+    def test_under_inference_mode_equals_stock(self, name):
+        model = build("llama")
+        ids, mask = prompt(batch=2)
+        make = PURE.get(name) or HIDDEN[name]
+        (ref, _), (on, _) = _both(model, ids, mask, make, True, context="inference_mode")[0]
+        assert_same(self, ref, on)
