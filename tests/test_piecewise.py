@@ -29,11 +29,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, StoppingCriteria, Stoppi
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
-from transformers_async_stop import masking, piecewise
+from transformers_async_stop import cache_kwarg, masking, piecewise
 from transformers_async_stop.piecewise import eligibility, forward
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
-RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 23)  # the dynamic-cache loop's releases
+RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
 CUDA = torch.cuda.is_available() and RELEASES
 
 
@@ -201,7 +201,7 @@ def _why_with_grad(model):
         return eligibility.why_not_model(model, model.__call__)
 
 
-@unittest.skipUnless(RELEASES, "the dynamic-cache loop runs on transformers 5.17-5.23")
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop runs on transformers 5.17-5.24")
 @mock.patch.dict(os.environ, ON)
 class ReportedOnTheCpu(unittest.TestCase):
     def test_the_cpu_keeps_the_eager_forward_and_says_why(self):
@@ -235,7 +235,7 @@ class MaskDecisions(unittest.TestCase):
         model = build("llama")
         self.cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(torch.ones(2, 4, dtype=torch.long), past_key_values=self.cache, use_cache=True)
+            model(torch.ones(2, 4, dtype=torch.long), use_cache=True, **{_cache_name(): self.cache})
 
     def test_no_mask_gives_none(self):
         self.assertEqual(forward._attention_mask(None, 2, self.cache), (None, None))
@@ -317,6 +317,40 @@ class AttentionSwap(unittest.TestCase):
         self.assertEqual("sdpa" in ALL_ATTENTION_FUNCTIONS._local_mapping, had_local)
 
 
+class CacheUpdateCall(unittest.TestCase):
+    """The recording takes the model's own `cache.update` call (5.24 adds `kwargs=` the layer ignores), and no other
+    argument (`graphs._plain_update`)."""
+
+    def test_the_models_own_update_call_is_taken(self):
+        from transformers import DynamicCache
+
+        from transformers_async_stop.piecewise import graphs
+
+        for family in ("llama", "mistral", "qwen2", "qwen3"):
+            model = build_any(family)
+            cache = DynamicCache(config=model.config)
+            calls = []
+            update = cache.update
+            cache.update = lambda *args, **kwargs: calls.append((args[3:], kwargs)) or update(*args, **kwargs)
+            with torch.no_grad():
+                model(torch.tensor([[3, 4, 5]]), use_cache=True, **{_cache_name(): cache})
+            self.assertEqual(len(calls), model.config.num_hidden_layers)
+            for extra, kwargs in calls:
+                self.assertTrue(graphs._plain_update(extra, kwargs), (family, extra, kwargs))
+
+    def test_other_update_arguments_are_refused(self):
+        from transformers_async_stop.piecewise import graphs
+
+        self.assertFalse(graphs._plain_update((), {"cache_kwargs": {"sin": 1}}))
+        self.assertFalse(graphs._plain_update(({},), {}))
+        self.assertFalse(graphs._plain_update((), {"kwargs": {}, "other": 1}))
+        self.assertFalse(graphs._plain_update((), {"kwargs": None}))
+
+
+def _cache_name():
+    return cache_kwarg.name()  # `past_key_values` up to 5.23, `cache` from 5.24
+
+
 class Store(unittest.TestCase):
     def test_a_models_recordings_are_freed_with_it(self):
         model = build("llama")
@@ -342,12 +376,12 @@ def _check_against_stock(test, model, ids, mask, **kwargs):
     out, after = _generate(model, ids, mask, True, **kwargs)
     assert_same(test, ref, out)
     test.assertTrue(torch.equal(ref_after, after), "RNG state after generate() differs")
-    for layer in out.past_key_values.layers:
+    for layer in cache_kwarg.of_output(out).layers:
         test.assertTrue(layer.keys.is_contiguous() and layer.values.is_contiguous())
     return out
 
 
-@unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.23")
+@unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.24")
 @mock.patch.dict(os.environ, ON)
 class OnCuda(unittest.TestCase):
     @parameterized.expand([
@@ -377,11 +411,12 @@ class OnCuda(unittest.TestCase):
         with stock():
             first = model.generate(ids, attention_mask=mask, pad_token_id=PAD, return_dict_in_generate=True, **kwargs)
             ids2 = torch.cat([first.sequences, ids[:, :2]], dim=-1)
-            ref = model.generate(ids2, attention_mask=torch.ones_like(ids2), past_key_values=first.past_key_values,
+            ref = model.generate(ids2, attention_mask=torch.ones_like(ids2),
+                                 **{_cache_name(): cache_kwarg.of_output(first)},
                                  pad_token_id=PAD, return_dict_in_generate=True, **kwargs)
         on1 = model.generate(ids, attention_mask=mask, pad_token_id=PAD, return_dict_in_generate=True,
                              async_stopping_criteria=True, **kwargs)
-        on = model.generate(ids2, attention_mask=torch.ones_like(ids2), past_key_values=on1.past_key_values,
+        on = model.generate(ids2, attention_mask=torch.ones_like(ids2), **{_cache_name(): cache_kwarg.of_output(on1)},
                             pad_token_id=PAD, return_dict_in_generate=True, async_stopping_criteria=True, **kwargs)
         assert_same(self, ref, on)
         self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)

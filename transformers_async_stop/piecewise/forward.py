@@ -2,7 +2,8 @@
 
 Per step, before any replay, it checks what a replay would otherwise get wrong, and runs the eager forward (the
 model's own) where it cannot replay:
-- the step's inputs: only `input_ids` / `position_ids` (one column), the cache, `use_cache`, `logits_to_keep`,
+- the step's inputs: only `input_ids` / `position_ids` (one column), the cache (`past_key_values` up to 5.23,
+  `cache` from 5.24: `cache_kwarg.py`), `use_cache`, `logits_to_keep`,
   `return_dict`, and a mask whose effect on the attention is known on the host (`_attention_mask`);
 - staleness: a module, parameter or buffer replaced, or its storage moved (`.to()`, `.data =`, a dtype change): the
   model's recordings are dropped and the step records again; a hook or a wrapped forward added, training mode, an
@@ -26,7 +27,7 @@ import weakref
 
 import torch
 
-from .. import concurrency, masking
+from .. import cache_kwarg, concurrency, masking
 from . import eligibility
 from .graphs import NotRecordable, record
 
@@ -34,8 +35,8 @@ MAX_KEYS = 4  # recordings per model (batch sizes, mask kinds...): least recentl
 _STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STORE_LOCK = threading.Lock()
 _TRAINING = operator.attrgetter("training")
-_INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "past_key_values", "use_cache",
-                     "logits_to_keep", "return_dict"))
+# the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
+_INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
 
 
 class ModelGraphs:
@@ -128,7 +129,7 @@ class PiecewiseForward:
         recording = graphs.recordings.get(key)
         if recording is not None:
             graphs.recordings.move_to_end(key)
-            return self._replayed(recording.replay(inputs["past_key_values"], inputs["input_ids"],
+            return self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["input_ids"],
                                                    inputs["position_ids"], mask, self._attention(), self.modules))
         if key in graphs.failed:
             return self._eager(graphs.failed[key], inputs)
@@ -142,7 +143,7 @@ class PiecewiseForward:
         forward_inputs = {name: value for name, value in inputs.items() if name != "return_dict"}
         forward_inputs["return_dict"] = True
         try:
-            made = record(self.model, self.eager, forward_inputs, inputs["past_key_values"], self.modules, mask,
+            made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
                           "sdpa", graphs.pool)
         except NotRecordable as error:
             graphs.failed[key] = f"not recordable: {error}"
@@ -204,9 +205,11 @@ class PiecewiseForward:
 
     def _step(self, inputs):
         """(the attention's mask, the recording key, None), or (None, None, why this step runs eagerly)."""
-        if not _INPUTS.issuperset(inputs) or inputs.get("return_dict", True) is not True:
+        cache = cache_kwarg.get(inputs)
+        if (not _INPUTS.issuperset(name for name in inputs if name != cache_kwarg.name())
+                or inputs.get("return_dict", True) is not True):
             return None, None, "inputs the recording does not take"
-        ids, positions, cache = inputs.get("input_ids"), inputs.get("position_ids"), inputs.get("past_key_values")
+        ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
         keep = inputs.get("logits_to_keep", 0)
         if not (_column(ids, self.device) and _column(positions, self.device)
                 and positions.shape[0] == ids.shape[0]):

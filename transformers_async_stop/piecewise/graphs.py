@@ -18,7 +18,8 @@ the loop's grown 4D mask, or None for an unpadded batch (SDPA's own causal path)
 **Replay**: copy the step's ids and positions into the buffers; replay piece 0; per layer, the real `cache.update`
 of the piece's k/v and the real attention (looked up in the registry as the model looks it up) with the recorded
 arguments, its output copied into the buffer; replay the next piece. The returned cache holds the tensors
-`DynamicLayer.update` made, as in stock.
+`DynamicLayer.update` made, as in stock, under the running release's field name (`past_key_values` up to 5.23,
+`cache` from 5.24: `cache_kwarg.py`).
 
 All pieces of a model share one memory pool and are replayed in the order they were captured; every tensor that
 crosses a piece boundary is kept referenced by the recording, so no later capture reuses its memory.
@@ -31,7 +32,7 @@ import contextvars
 
 import torch
 
-from .. import concurrency
+from .. import cache_kwarg, concurrency
 from ..static_loop.tail import _capture_stream, _heal_generator
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)
@@ -67,7 +68,15 @@ class Recording:
             result = attention_fn(modules[i], q, keys, values, mask, **kwargs)[0]
             out.copy_(result)
             graphs[i + 1].replay()
-        return self.output_type(logits=self.logits, past_key_values=cache)
+        return self.output_type(logits=self.logits, **cache_kwarg.output_field(cache))
+
+
+def _plain_update(args, kwargs) -> bool:
+    """A `cache.update(k, v, layer_idx)` call a replay's `update(cache, k, v, layer_idx)` reproduces: no further
+    argument, or (5.24+, whose attention forwards call `cache.update(..., kwargs=kwargs)`) only the attention's
+    `kwargs` dict, which `Cache.update` hands to `DynamicLayer.update`'s `**kwargs` and that ignores (both digested in
+    `targets/piecewise_rows.py`)."""
+    return not args and (not kwargs or (kwargs.keys() == {"kwargs"} and type(kwargs["kwargs"]) is dict))
 
 
 class _Marker:
@@ -141,7 +150,7 @@ class _Recorder:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         index = len(self.rec.layers)
-        if self.pending is not None or args or kwargs or layer_idx != index or self.graph is None:
+        if self.pending is not None or not _plain_update(args, kwargs) or layer_idx != index or self.graph is None:
             raise NotRecordable(f"an unexpected cache update (layer {layer_idx})")
         self.end()
         layer = self.cache.layers[layer_idx] if layer_idx < len(self.cache.layers) else None
@@ -238,7 +247,7 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
 def _check_outputs(outputs, cache) -> None:
     """A replay returns the logits and the cache, nothing else."""
     if (not isinstance(getattr(outputs, "logits", None), torch.Tensor)
-            or getattr(outputs, "past_key_values", None) is not cache
+            or cache_kwarg.of_output(outputs) is not cache
             or getattr(outputs, "hidden_states", None) is not None or getattr(outputs, "attentions", None) is not None
             or getattr(outputs, "loss", None) is not None):
         raise NotRecordable("the forward's outputs are not the logits and the cache alone")

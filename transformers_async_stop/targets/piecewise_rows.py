@@ -1,4 +1,4 @@
-"""The sources behind the piecewise-graphed decode forward (`piecewise/`), per model family, 5.17.0-5.23.0.
+"""The sources behind the piecewise-graphed decode forward (`piecewise/`), per model family, 5.17.0-5.24.0.
 
 A replay runs none of the forward's Python: every decision these sources make is baked in at the recording. Each was
 read for decisions that depend on the length or the step: none, for a decode step of a full-attention model with a
@@ -6,64 +6,72 @@ static rope type, an SDPA attention and a `DynamicCache`, beyond the cache updat
 at each replay) and the mask (`piecewise/forward._attention_mask`). Between the releases below they differ in the
 rotary embedding's arithmetic (5.17-5.18: a matmul under disabled autocast; 5.19+: a broadcast product), the logits
 slicing helper (5.21+), `dynamic_rope_update`'s body (only active for dynamic/longrope, which step aside) and
-docstrings. 5.24 renames the cache argument (the dynamic loop does not run there).
+docstrings. 5.24.0 differs from 5.23.0 in:
+- the cache's name (`past_key_values` -> `cache` in every forward, `create_causal_mask`, `_preprocess_mask_arguments`
+  and the output dataclasses; `deprecate_kwarg` wrappers take the old name): read through `cache_kwarg.py`;
+- the attention forwards call `cache.update(k, v, layer_idx, kwargs=kwargs)`: `Cache.update` hands `kwargs` to
+  `DynamicLayer.update`'s `**kwargs`, which ignores it (both unchanged), so the recording takes that call
+  (`graphs._plain_update`) and a replay's `update(cache, k, v, layer_idx)` is the same;
+- the rotary embeddings' forward loses `@torch.no_grad()`: the path runs only with gradients disabled;
+- `_preprocess_mask_arguments` returns early for a `PagedAttentionCache` (never a `DynamicCache`), and
+  `create_causal_mask` reorders its packed-sequence branch (only without a cache).
 """
 
 from .shortcuts import Shortcut
 
 _COMMON = {
-    "transformers.cache_utils:DynamicLayer.update": {"3fe48b1632f1": "5.17.0-5.23.0"},
-    "transformers.cache_utils:Cache.update": {"679ec869a03c": "5.17.0-5.19.0", "7f41008b39ef": "5.20.2-5.23.0"},
-    "transformers.masking_utils:_preprocess_mask_arguments": {"df23eb733c6e": "5.17.0-5.23.0"},
-    "transformers.masking_utils:create_causal_mask": {"08e44eae3326": "5.17.0-5.19.0", "bd4450cc85d6": "5.20.2-5.22.2", "341ee68974b1": "5.23.0"},
-    "transformers.masking_utils:sdpa_mask": {"acbbdd247878": "5.17.0-5.18.0", "2a073d7981cd": "5.19.0", "a30991b130d8": "5.20.2-5.23.0"},
-    "transformers.masking_utils:_ignore_causal_mask_sdpa": {"73264261e58f": "5.17.0", "60d5f943b631": "5.18.0-5.19.0", "b3d03cfa0d76": "5.20.2-5.23.0"},
-    "transformers.modeling_rope_utils:dynamic_rope_update": {"a3178e1ab4ac": "5.17.0-5.20.2", "812c0729f2a7": "5.21.1-5.22.2", "c0bc145a2182": "5.23.0"},
+    "transformers.cache_utils:DynamicLayer.update": {"3fe48b1632f1": "5.17.0-5.24.0"},
+    "transformers.cache_utils:Cache.update": {"679ec869a03c": "5.17.0-5.19.0", "7f41008b39ef": "5.20.2-5.24.0"},
+    "transformers.masking_utils:_preprocess_mask_arguments": {"df23eb733c6e": "5.17.0-5.23.0", "606823244fa4": "5.24.0"},
+    "transformers.masking_utils:create_causal_mask": {"08e44eae3326": "5.17.0-5.19.0", "bd4450cc85d6": "5.20.2-5.22.2", "341ee68974b1": "5.23.0", "143e39d36ae2": "5.24.0"},
+    "transformers.masking_utils:sdpa_mask": {"acbbdd247878": "5.17.0-5.18.0", "2a073d7981cd": "5.19.0", "a30991b130d8": "5.20.2-5.24.0"},
+    "transformers.masking_utils:_ignore_causal_mask_sdpa": {"73264261e58f": "5.17.0", "60d5f943b631": "5.18.0-5.19.0", "b3d03cfa0d76": "5.20.2-5.24.0"},
+    "transformers.modeling_rope_utils:dynamic_rope_update": {"a3178e1ab4ac": "5.17.0-5.20.2", "812c0729f2a7": "5.21.1-5.22.2", "c0bc145a2182": "5.23.0-5.24.0"},
 }
 _FAMILIES = (  # family, modeling module, then each of its sources (qualified name -> {digest: releases})
     ("llama", "transformers.models.llama.modeling_llama", {
-        "LlamaAttention.forward": {"c0fd8e0b732b": "5.17.0-5.23.0"},
-        "LlamaDecoderLayer.forward": {"461ed20abeb5": "5.17.0-5.23.0"},
-        "LlamaModel.forward": {"aa5e80868d38": "5.17.0-5.22.2", "3bc97b32d434": "5.23.0"},
-        "LlamaForCausalLM.forward": {"70b8a70f207c": "5.17.0-5.20.2", "88ab78d8a65e": "5.21.1-5.22.2", "c1729a1872c8": "5.23.0"},
-        "LlamaRotaryEmbedding.forward": {"36aa3216b123": "5.17.0", "05b8d52cfa8f": "5.18.0", "2b71104c384d": "5.19.0-5.23.0"},
-        "LlamaMLP.forward": {"b4e9c2637c7f": "5.17.0-5.23.0"},
-        "LlamaRMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.23.0"},
-        "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.23.0"},
-        "rotate_half": {"f714a4b1160c": "5.17.0-5.23.0"},
+        "LlamaAttention.forward": {"c0fd8e0b732b": "5.17.0-5.23.0", "15034ca19bd8": "5.24.0"},
+        "LlamaDecoderLayer.forward": {"461ed20abeb5": "5.17.0-5.23.0", "c58bc6a3bd65": "5.24.0"},
+        "LlamaModel.forward": {"aa5e80868d38": "5.17.0-5.22.2", "3bc97b32d434": "5.23.0", "6ad906eadeb4": "5.24.0"},
+        "LlamaForCausalLM.forward": {"70b8a70f207c": "5.17.0-5.20.2", "88ab78d8a65e": "5.21.1-5.22.2", "c1729a1872c8": "5.23.0", "7c3c3983abb9": "5.24.0"},
+        "LlamaRotaryEmbedding.forward": {"36aa3216b123": "5.17.0", "05b8d52cfa8f": "5.18.0", "2b71104c384d": "5.19.0-5.23.0", "0197c13cb9f7": "5.24.0"},
+        "LlamaMLP.forward": {"b4e9c2637c7f": "5.17.0-5.24.0"},
+        "LlamaRMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.24.0"},
+        "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.24.0"},
+        "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
     }),
     ("mistral", "transformers.models.mistral.modeling_mistral", {
-        "MistralAttention.forward": {"8c961e165cda": "5.17.0-5.23.0"},
-        "MistralDecoderLayer.forward": {"461ed20abeb5": "5.17.0-5.23.0"},
-        "MistralModel.forward": {"b237e110b64c": "5.17.0-5.22.2", "dc333785d7df": "5.23.0"},
-        "MistralForCausalLM.forward": {"cb3ef7d01ef6": "5.17.0-5.20.2", "17d5053f7fe8": "5.21.1-5.22.2", "d212cdaee547": "5.23.0"},
-        "MistralRotaryEmbedding.forward": {"36aa3216b123": "5.17.0", "05b8d52cfa8f": "5.18.0", "2b71104c384d": "5.19.0-5.23.0"},
-        "MistralMLP.forward": {"b4e9c2637c7f": "5.17.0-5.23.0"},
-        "MistralRMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.23.0"},
-        "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.23.0"},
-        "rotate_half": {"f714a4b1160c": "5.17.0-5.23.0"},
+        "MistralAttention.forward": {"8c961e165cda": "5.17.0-5.23.0", "4f9a18cc72b2": "5.24.0"},
+        "MistralDecoderLayer.forward": {"461ed20abeb5": "5.17.0-5.23.0", "c58bc6a3bd65": "5.24.0"},
+        "MistralModel.forward": {"b237e110b64c": "5.17.0-5.22.2", "dc333785d7df": "5.23.0", "0a953917a1d6": "5.24.0"},
+        "MistralForCausalLM.forward": {"cb3ef7d01ef6": "5.17.0-5.20.2", "17d5053f7fe8": "5.21.1-5.22.2", "d212cdaee547": "5.23.0", "ed35883a09a5": "5.24.0"},
+        "MistralRotaryEmbedding.forward": {"36aa3216b123": "5.17.0", "05b8d52cfa8f": "5.18.0", "2b71104c384d": "5.19.0-5.23.0", "0197c13cb9f7": "5.24.0"},
+        "MistralMLP.forward": {"b4e9c2637c7f": "5.17.0-5.24.0"},
+        "MistralRMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.24.0"},
+        "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.24.0"},
+        "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
     }),
     ("qwen2", "transformers.models.qwen2.modeling_qwen2", {
-        "Qwen2Attention.forward": {"4015c9477db5": "5.17.0-5.23.0"},
-        "Qwen2DecoderLayer.forward": {"461ed20abeb5": "5.17.0-5.23.0"},
-        "Qwen2Model.forward": {"040ee3766c9f": "5.17.0-5.22.2", "af291875cf36": "5.23.0"},
-        "Qwen2ForCausalLM.forward": {"10095c638162": "5.17.0-5.20.2", "67993adf9efd": "5.21.1-5.22.2", "da4cda5e6f6d": "5.23.0"},
-        "Qwen2RotaryEmbedding.forward": {"87d2b6f6ab34": "5.17.0", "c7ebca22877a": "5.18.0", "2b71104c384d": "5.19.0-5.23.0"},
-        "Qwen2MLP.forward": {"b4e9c2637c7f": "5.17.0-5.23.0"},
-        "Qwen2RMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.23.0"},
-        "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.23.0"},
-        "rotate_half": {"f714a4b1160c": "5.17.0-5.23.0"},
+        "Qwen2Attention.forward": {"4015c9477db5": "5.17.0-5.23.0", "19fc6c09f70a": "5.24.0"},
+        "Qwen2DecoderLayer.forward": {"461ed20abeb5": "5.17.0-5.23.0", "c58bc6a3bd65": "5.24.0"},
+        "Qwen2Model.forward": {"040ee3766c9f": "5.17.0-5.22.2", "af291875cf36": "5.23.0", "4098825e5a45": "5.24.0"},
+        "Qwen2ForCausalLM.forward": {"10095c638162": "5.17.0-5.20.2", "67993adf9efd": "5.21.1-5.22.2", "da4cda5e6f6d": "5.23.0", "d57926925356": "5.24.0"},
+        "Qwen2RotaryEmbedding.forward": {"87d2b6f6ab34": "5.17.0", "c7ebca22877a": "5.18.0", "2b71104c384d": "5.19.0-5.23.0", "0197c13cb9f7": "5.24.0"},
+        "Qwen2MLP.forward": {"b4e9c2637c7f": "5.17.0-5.24.0"},
+        "Qwen2RMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.24.0"},
+        "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.24.0"},
+        "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
     }),
     ("qwen3", "transformers.models.qwen3.modeling_qwen3", {
-        "Qwen3Attention.forward": {"95140604894f": "5.17.0-5.23.0"},
-        "Qwen3DecoderLayer.forward": {"461ed20abeb5": "5.17.0-5.23.0"},
-        "Qwen3Model.forward": {"040ee3766c9f": "5.17.0-5.22.2", "af291875cf36": "5.23.0"},
-        "Qwen3ForCausalLM.forward": {"9275ccb07d13": "5.17.0", "1fda4b6632e6": "5.18.0-5.20.2", "fc92307cda6a": "5.21.1-5.22.2", "1069d246bbcd": "5.23.0"},
-        "Qwen3RotaryEmbedding.forward": {"87d2b6f6ab34": "5.17.0", "c7ebca22877a": "5.18.0", "2b71104c384d": "5.19.0-5.23.0"},
-        "Qwen3MLP.forward": {"b4e9c2637c7f": "5.17.0-5.23.0"},
-        "Qwen3RMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.23.0"},
-        "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.23.0"},
-        "rotate_half": {"f714a4b1160c": "5.17.0-5.23.0"},
+        "Qwen3Attention.forward": {"95140604894f": "5.17.0-5.23.0", "fc750afd3f26": "5.24.0"},
+        "Qwen3DecoderLayer.forward": {"461ed20abeb5": "5.17.0-5.23.0", "c58bc6a3bd65": "5.24.0"},
+        "Qwen3Model.forward": {"040ee3766c9f": "5.17.0-5.22.2", "af291875cf36": "5.23.0", "4098825e5a45": "5.24.0"},
+        "Qwen3ForCausalLM.forward": {"9275ccb07d13": "5.17.0", "1fda4b6632e6": "5.18.0-5.20.2", "fc92307cda6a": "5.21.1-5.22.2", "1069d246bbcd": "5.23.0", "3917225085c9": "5.24.0"},
+        "Qwen3RotaryEmbedding.forward": {"87d2b6f6ab34": "5.17.0", "c7ebca22877a": "5.18.0", "2b71104c384d": "5.19.0-5.23.0", "0197c13cb9f7": "5.24.0"},
+        "Qwen3MLP.forward": {"b4e9c2637c7f": "5.17.0-5.24.0"},
+        "Qwen3RMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.24.0"},
+        "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.24.0"},
+        "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
     }),
 )
 
@@ -72,7 +80,7 @@ PIECEWISE_SHORTCUTS = tuple(
         f"piecewise forward ({family})",
         (*_COMMON, *(f"{module}:{name}" for name in sources)),
         {**_COMMON, **{f"{module}:{name}": digests for name, digests in sources.items()}},
-        "piecewise", present="5.17-5.23",
+        "piecewise", present="5.17-5.24",
         why="the eager decode forward of a dynamic cache is hundreds of launches behind Python: its shape-fixed "
             "pieces are replayed from CUDA graphs of the same kernels, the cache append and attention run eagerly",
     )
