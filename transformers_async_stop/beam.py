@@ -67,6 +67,7 @@ def patched_beam_search(original, target):
         # cannot give a step back turns the controller synchronous (stock's reads, one warning)
         ctl = state.ctl = AsyncStop(input_ids, generation_config.max_length, done_when="running",
                                     cache_returned=returned)
+        ctl.watch_hooks(self)
         try:
             outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
                                ExtraStepCriteria(stopping_criteria, ctl), generation_config,

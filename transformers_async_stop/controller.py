@@ -122,6 +122,8 @@ class AsyncStop:
         self.last_verdict = None
         self.deferred_check = None  # 5.17+: the DeferredStopCheck instance of this loop (stop_check.py)
         self.cleanups = []  # run once by close(): per-call registrations made elsewhere (static_mask.py)
+        self.hooks = None  # module_state.HookWatch of the call's model (`watch_hooks`)
+        self.why_synchronous = None  # why every verdict is read at once (for `last_path()`), where not the cache
 
     # -- the side stream ---------------------------------------------------------------------------------------
     def allow_side(self, carried: torch.Tensor | None) -> None:
@@ -200,12 +202,22 @@ class AsyncStop:
         self.last_length = length
         if self.max_length is not None and length >= self.max_length:
             return True
+        if not self.synchronous and self.hooks is not None and self.hooks.hooked():
+            self.synchronous = True
+            self.why_synchronous = ("a forward hook is registered on the model: each verdict is read before the "
+                                    "next forward, which the hook would see")
         if self.synchronous or (self.room is not None and self._end_of_cache() + self.steps - 1 >= self.room):
             # no extra step allowed: read this verdict now, as stock does (a fixed-size cache with no room for the
             # next forward's position, or a returned cache that cannot give one back)
             return self._read(self.steps - 1)
         self.rng.snapshot()
         return False
+
+    def watch_hooks(self, model) -> None:
+        """Read every verdict at once while a forward hook is on `model` (module_state.HookWatch)."""
+        from .module_state import HookWatch
+
+        self.hooks = HookWatch(model)
 
     def _make_slot(self, slot: int, verdict: torch.Tensor) -> None:
         """The pinned copy for `slot`, shaped as this step's verdict: allocated at the first step, and again where a

@@ -139,6 +139,7 @@ def patched_sample(original, target):
             streamer=streamer if route_a else None,
             cache_returned=cache_is_returned(generation_config, model_kwargs), route_a=route_a,
         )
+        ctl.watch_hooks(self)
         if synced_gpus:
             ctl.peers = PeerVerdict(input_ids.device)
         if draft is not None:

@@ -79,3 +79,41 @@ def why_stateful(model) -> str | None:
         if what is not None:
             return f"`{name}` ({type(module).__name__}) {what}: the extra step would leave it changed"
     return None
+
+
+# --- forward hooks: user code that sees every forward -------------------------------------------------------------
+def hooked(model) -> bool:
+    """Whether a forward hook or pre-hook is registered on the model, any of its modules, or globally: user code
+    that runs at every forward (a counter, a logger, an interpretability tool saving activations). It would run in
+    the extra step too, and what it did there cannot be undone."""
+    from torch.nn.modules import module as nn_module
+
+    if any(getattr(nn_module, name, None) for name in _GLOBAL_HOOKS):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_always_called")
+
+
+class HookWatch:
+    """Notices a forward hook on the model at the call's start or registered mid-call (by a criterion, a processor or
+    a streamer), for the controller: from then on each verdict is read before the next forward is queued, so no hook
+    ever sees a forward that stock never runs. Per step it reads one counter, torch's count of hook handles ever
+    made (`RemovableHandle.next_id`, public module state of `torch.utils.hooks`); the modules are scanned only when
+    it moved."""
+
+    __slots__ = ("model", "seen")
+
+    def __init__(self, model):
+        self.model = model
+        self.seen = None
+
+    def hooked(self) -> bool:
+        from torch.utils.hooks import RemovableHandle
+
+        now = RemovableHandle.next_id
+        if now == self.seen:
+            return False
+        self.seen = now
+        return hooked(self.model)

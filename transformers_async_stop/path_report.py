@@ -164,7 +164,8 @@ def deferred_loop(ctl) -> None:
     report = _current()
     if report is not None and report.path == "deferred" and getattr(ctl, "synchronous", False):
         report.path = "immediate"
-        report.reason = report.reason or "a returned cache that cannot give a step back"
+        report.reason = (report.reason or getattr(ctl, "why_synchronous", None)
+                         or "a returned cache that cannot give a step back")
 
 
 def dynamic_loop() -> None:
