@@ -74,3 +74,41 @@ class ScoresAliasAsInStock(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class KeepIds(StoppingCriteria):
+    """Never stops; keeps every `input_ids` it is handed, without a copy."""
+
+    def __init__(self):
+        self.kept = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.kept.append(input_ids)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class ReturnedSequencesAreTheCriteriaIds(unittest.TestCase):
+    """Stock returns its last `input_ids` itself: a criterion that kept the ids of the last step holds the very
+    returned `sequences` (the usage fuzzer's NEW-1: seeds 67, 166, 174, ...; the static loop returned a copy)."""
+
+    @parameterized.expand([(c, d, n) for c in (None, "static") for d in (False, True) for n in (1, 5)])
+    def test_kept_ids_are_the_returned_sequences(self, cache, return_dict, new_tokens):
+        ids, mask = prompt(batch=2)
+
+        def run(flag):
+            model = build("llama")
+            keep = KeepIds()
+            kw = {"async_stopping_criteria": True} if flag else {}
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=PAD, cache_implementation=cache,
+                                 return_dict_in_generate=return_dict, stopping_criteria=StoppingCriteriaList([keep]),
+                                 **kw)
+            sequences = out.sequences if return_dict else out
+            return sequences, [k is sequences for k in keep.kept], [k.tolist() for k in keep.kept]
+
+        with stock():
+            plain = run(False)
+        fast = run(True)
+        self.assertTrue(torch.equal(plain[0], fast[0]))
+        self.assertEqual(plain[1], fast[1], "which kept tensors are the returned sequences")
+        self.assertEqual(plain[2], fast[2])

@@ -124,7 +124,11 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
 
     if ctl.finish():
         _give_back_extra_forward(ctl, cache)
-    sequences = seq[:, :length].clone(memory_format=torch.contiguous_format)
+    held = tail.held
+    # stock returns its last `input_ids` itself: where user code was handed the sequence at the final length (a
+    # criterion that keeps it), it is that very tensor (its edits were settled into `seq`); otherwise a fresh copy
+    sequences = held[0] if held is not None and held[1] == length else seq[:, :length].clone(
+        memory_format=torch.contiguous_format)
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:
