@@ -91,11 +91,12 @@ class Tail:
         self.pad = pad_token_id
         self.tokens = torch.empty(seq.shape[0], dtype=torch.long, device=seq.device)
         self.logits = None  # (batch, vocab) fp32, made at the first step
+        # per exact `EosTokenCriteria`: (its ids tensor, shape, data pointer). The body reads that very tensor (eager or
+        # replayed): stock's criterion reads `eos_token_id` at every call, so an in-place edit by other user code counts
+        # from the next step; a rebound or resized one is picked up by `_follow_eos` (a copy would keep the old ids)
         self.eos = None
         if plan.eos:
-            for criterion in plan.eos:  # stock moves them at every call; once is the same
-                criterion.eos_token_id = criterion.eos_token_id.to(seq.device)
-            self.eos = torch.cat([c.eos_token_id.reshape(-1) for c in plan.eos])
+            self.eos = [self._eos_of(criterion) for criterion in plan.eos]
         self.inputs = None  # the loop's `StepInputs`, once the first decode step's inputs are known
         self.capture = plan.capture
         self.graphs: dict = {}
@@ -134,6 +135,8 @@ class Tail:
         `length`: the sequence length before this step's token (what stock's processors see)."""
         if not self.started:
             self._start(length)
+        if self.eos is not None:
+            self._follow_eos()
         key = (self.plan.phase(length), advance)
         if self.capture:
             graph = self.graphs.get(key)
@@ -173,6 +176,23 @@ class Tail:
             self.fresh = False
             self.logits = None  # the next step's logits go to a new fixed buffer, not the tensor this step handed out
         return scores
+
+    def _eos_of(self, criterion) -> torch.Tensor:
+        # stock's `EosTokenCriteria.__call__` moves its ids to the sequence's device (the same object where they are)
+        criterion.eos_token_id = ids = criterion.eos_token_id.to(self.seq.device)
+        return ids, ids.shape, ids.data_ptr()
+
+    def _follow_eos(self) -> None:
+        """Before each step: a criterion's `eos_token_id` rebound to another tensor (by a criterion, a streamer) is
+        the one this step compares with, as in stock. One identity check per criterion on the host. The graphs read
+        the old tensor's memory: the rest of the call runs eagerly."""
+        for index, criterion in enumerate(self.plan.eos):
+            ids, (was, shape, where) = criterion.eos_token_id, self.eos[index]
+            if ids is not was or ids.shape != shape or ids.data_ptr() != where:  # rebound, or resized in place
+                self.eos[index] = self._eos_of(criterion)
+                if self.graphs:
+                    self._go_eager()
+                    self.left = "an EosTokenCriteria's eos_token_id was rebound mid-call: eager tail from then on"
 
     def _start(self, length: int) -> None:
         self.started = True
@@ -289,7 +309,10 @@ class Tail:
             form.after_token(next_tokens, self.length)
         self.length.add_(1)
         if self.eos is not None:
-            self.unfinished.bitwise_and_(~(next_tokens[:, None] == self.eos).any(-1))
+            rows = next_tokens.shape[0]
+            for eos, _, _ in self.eos:  # stock: `isin(input_ids[:, -1], eos_token_id)`, whatever the ids' shape
+                hit = (next_tokens.reshape(rows, *([1] * eos.dim())) == eos).reshape(rows, -1).any(-1)
+                self.unfinished.bitwise_and_(~hit)
         if advance:
             self.inputs.advance(next_tokens)
         return scores
