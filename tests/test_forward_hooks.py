@@ -145,3 +145,25 @@ class ForwardHooksSeeStocksForwards(unittest.TestCase):
         with stock():
             plain = beam(False)
         self.assertEqual(plain, beam(True))
+
+
+class TransformersOwnHooksKeepTheDeferredPath(unittest.TestCase):
+    """transformers installs its output-capturing hooks once attentions or hidden states are asked for, and leaves
+    them on the modules (5.x). They record only while that forward's collector is active, so they are not user code
+    watching every forward: later calls on the model keep the deferred path (red team, f06)."""
+
+    @parameterized.expand([(c,) for c in (None, "static")])
+    def test_a_call_after_one_that_asked_for_attentions(self, cache):
+        model = build("llama")
+        ids = PROMPT[:1]
+        model.generate(ids, max_new_tokens=3, output_attentions=True, return_dict_in_generate=True,
+                       pad_token_id=PAD, async_stopping_criteria=True)
+        eos = stop_ids(cache)
+        with stock():
+            plain = model.generate(ids, max_new_tokens=8, pad_token_id=PAD, eos_token_id=eos,
+                                   cache_implementation=cache)
+        fast = model.generate(ids, max_new_tokens=8, pad_token_id=PAD, eos_token_id=eos, cache_implementation=cache,
+                              async_stopping_criteria=True)
+        self.assertTrue(torch.equal(plain, fast))
+        self.assertNotEqual(tas.last_path().path, "immediate", tas.last_path().describe())
+        self.assertNotIn("hook", tas.last_path().describe())

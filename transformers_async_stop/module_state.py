@@ -88,9 +88,22 @@ def hooked(model) -> bool:
     the extra step too, and what it did there cannot be undone."""
     from torch.nn.modules import module as nn_module
 
-    if any(getattr(nn_module, name, None) for name in _GLOBAL_HOOKS):
+    if any(_users(getattr(nn_module, name, None) or {}) for name in _GLOBAL_HOOKS):
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    return any((m._forward_hooks or m._forward_pre_hooks)
+               and (_users(m._forward_hooks) or _users(m._forward_pre_hooks)) for m in model.modules())
+
+
+def _users(hooks: dict) -> bool:
+    """Whether any of `hooks` is user code. transformers' own hooks are left out: the output-capturing ones it
+    installs once attentions or hidden states are asked for (and leaves in place; they record only while that
+    forward's collector is active, and the deferred loop trims what the extra step recorded), and the input-grad one
+    of `enable_input_require_grads`. Counting them would send every later call on the model to reading at once."""
+    for hook in hooks.values():
+        hook = getattr(hook, "func", hook)  # functools.partial
+        if not str(getattr(hook, "__module__", "") or "").startswith("transformers."):
+            return True
+    return False
 
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_always_called")

@@ -20,9 +20,11 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .. import cache_kwarg, path_report, static_mask
+from ..module_state import hooked
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
 from .inputs import StepInputs
+from .live_inputs import why_fresh
 from .tail import Tail, prefix
 
 
@@ -105,8 +107,11 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
                     model_inputs = None
                 elif first:
                     first = False
-                    if _hooked(model):  # a hook may keep the inputs it is given: stock gives it new ones every step
-                        left = "a forward hook is registered: stock's per-step inputs"
+                    # a hook, an instance forward or a user module may keep the inputs it is given: stock gives new
+                    # ones every step (`live_inputs`)
+                    why = "a forward hook is registered: stock's per-step inputs" if _hooked(model) else why_fresh(model)
+                    if why is not None:
+                        left = why
                         model_inputs = None
                     else:
                         model_inputs, step_inputs = StepInputs.build(model, prefix(seq, length), model_kwargs, cache,
@@ -147,13 +152,9 @@ def _fingerprint(model) -> tuple:
 
 
 def _hooked(model) -> bool:
-    """Whether a forward hook is registered on the model or any of its modules (or globally): it gets the step's
-    input tensors (the mask and positions reach every layer), and may keep them."""
-    from torch.nn.modules import module as nn_module
-
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    """Whether a user forward hook is registered on the model or any of its modules (or globally): it gets the
+    step's input tensors (the mask and positions reach every layer), and may keep them (module_state.hooked)."""
+    return hooked(model)
 
 
 def _give_back_extra_forward(ctl, cache) -> None:
