@@ -220,7 +220,8 @@ class ReportedOnTheCpu(unittest.TestCase):
                 mock.patch.object(eligibility, "DEFAULT_ON", False):
             self.assertIn("=1 turns it on", why(build("llama")))
 
-    def test_an_assistant_keeps_its_eager_forward_unreported(self):
+    def test_an_assistant_on_the_cpu_keeps_its_eager_forward(self):
+        # the draft's own decision and report: tests/test_piecewise_draft.py
         model = build("llama")
         config = mock.Mock(is_assistant=True)
         self.assertIsNone(piecewise.forward_for(model, model.__call__, config))

@@ -26,16 +26,27 @@ from .forward import PiecewiseForward
 
 __all__ = ["PIECEWISE_ENV", "forward_for"]
 
+# the assistant's draft steps of assisted decoding take the path too (False: they keep their eager forward; a switch
+# that removes the draft's use alone, should it fail where the dynamic loop's own does not)
+DRAFT_ON = True
+
 
 def forward_for(model, model_forward, generation_config):
     """The forward the dynamic-cache loop calls for its decode steps, or None where it keeps `model_forward` (the
-    reason goes to `last_path().forward`). An assistant's draft loop keeps its eager forward (not proven there)."""
-    if getattr(generation_config, "is_assistant", False):
+    reason goes to `last_path().forward`).
+
+    An assistant's draft loop inside a deferred assisted call (`assisted/draft.py`) takes it too: each draft step is
+    a one-token decode forward of the assistant with its `DynamicCache`, at batch 1 (assisted decoding's only batch;
+    any other steps aside per step). The draft reports nothing of its own, so its forward is told in the assisted
+    call's `last_path().forward`, prefixed "draft " (the last round's count of replayed steps)."""
+    draft = bool(getattr(generation_config, "is_assistant", False))
+    if draft and not DRAFT_ON:
         return None
     report = path_report._current()
+    label = "draft " if draft else ""
     why = why_not_model(model, model_forward)
     if why is not None:
         if report is not None:
-            report.forward = f"eager: {why}"
+            report.forward = f"{label}eager: {why}"
         return None
-    return PiecewiseForward(model, model_forward, report)
+    return PiecewiseForward(model, model_forward, report, draft=draft)

@@ -91,8 +91,9 @@ def graphs_of(model) -> ModelGraphs:
 class PiecewiseForward:
     """`model_forward` for one call of the dynamic-cache loop (see the module docstring)."""
 
-    def __init__(self, model, model_forward, report):
+    def __init__(self, model, model_forward, report, draft=False):
         self.model, self.eager, self.report = model, model_forward, report
+        self.draft = draft  # an assistant's draft loop: batch 1 only, reported with a "draft " prefix
         self.graphs = graphs_of(model)
         base = eligibility.base_of(model)
         self.modules = [layer.self_attn for layer in base.layers[: model.config.num_hidden_layers]]
@@ -179,9 +180,10 @@ class PiecewiseForward:
         if self.replayed:
             pieces = len(self.modules) + 1
             tail = f"; {self.eager_steps} eager: {self.last_eager}" if self.eager_steps else ""
-            report.forward = f"graphed ({pieces} pieces): {self.replayed} decode steps{tail}"
+            text = f"graphed ({pieces} pieces): {self.replayed} decode steps{tail}"
         else:
-            report.forward = f"eager: {self.last_eager}"
+            text = f"eager: {self.last_eager}"
+        report.forward = f"draft {text}" if self.draft else text
 
     def _attention(self):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -214,6 +216,8 @@ class PiecewiseForward:
         if not (_column(ids, self.device) and _column(positions, self.device)
                 and positions.shape[0] == ids.shape[0]):
             return None, None, "not a one-token decode step"
+        if self.draft and ids.shape[0] != 1:
+            return None, None, "a draft batch other than 1"
         if inputs.get("use_cache", True) is not True or type(keep) is not int:
             return None, None, "inputs the recording does not take"
         why = eligibility.why_not_cache(cache)
