@@ -67,6 +67,7 @@ def rollback_one_step(cache, position) -> None:
     if layers and not _is_static_full(layers[0]):
         # every release: a negative `crop` removes that many positions from every (dynamic) layer
         inner.crop(-1)
+        _contiguous(layers)
         return
     for layer in layers:
         keys = getattr(layer, "keys", None)
@@ -86,6 +87,26 @@ def rollback_one_step(cache, position) -> None:
         # the buffers start as zeros and the flag-off run never wrote this slot
         keys.index_fill_(keys.dim() - 2, slot, 0)
         layer.values.index_fill_(layer.values.dim() - 2, slot, 0)
+
+
+def contiguous_after_crop(cache) -> None:
+    """`_contiguous` for every layer of `cache` (after a crop made elsewhere: stop_check.py)."""
+    layers, _ = _layers(cache)
+    _contiguous(layers)
+
+
+def _contiguous(layers) -> None:
+    """A cropped `DynamicLayer` holds a slice of its tensors (`keys[..., :-1, :]`, strided as one position more);
+    stock's are the contiguous `torch.cat` of its last step. Copy them into contiguous tensors of the same values
+    (once per call), so `keys.view(...)`, `torch.save` and whatever reads strides see stock's. Sliding-window layers
+    keep a slice in stock too and are left as they are."""
+    for layer in layers:
+        if type(layer).__name__ != "DynamicLayer":
+            continue
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+                setattr(layer, name, tensor.contiguous())
 
 
 def holds_static_layers(cache) -> bool:

@@ -212,6 +212,7 @@ class SideStreamCriteria(_CallCriteria):
         if ctl.extra:
             # the step the flag-off run never made: all rows "done", whatever the criteria would say
             return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        ctl.last_ids = input_ids  # stock returns this very tensor if the call ends at this step (`own_sequences`)
         if self._side:
             if ctl.steps == 0 and ctl.cuda:  # the first step's criteria: called once, before its verdict is recorded
                 ctl.allow_side(_loop_unfinished(sys._getframe(1), input_ids))

@@ -8,7 +8,8 @@ any other call (flag off, an assistant, another release's code path) gets upstre
 
 from __future__ import annotations
 
-from .cache_rollback import clear_cropped_slots, holds_static_layers, rollback_one_step, why_not_rollbackable
+from .cache_rollback import (clear_cropped_slots, contiguous_after_crop, holds_static_layers, rollback_one_step,
+                             why_not_rollbackable)
 from .call_state import active_controller
 from .patching import MARKER
 
@@ -90,6 +91,8 @@ def patched_deferred_class(original, target):
             if self._recorded:
                 self.cache.crop(-steps)
                 clear_cropped_slots(self.cache, steps)  # 5.24's static layers: the crop moved only the counters
+                if steps:
+                    contiguous_after_crop(self.cache)  # stock's layers hold contiguous tensors, not the crop's slices
                 self._stop_recording()
             elif steps:
                 rollback_one_step(self.cache, self._ctl.extra_position())
