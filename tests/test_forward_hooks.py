@@ -167,3 +167,26 @@ class TransformersOwnHooksKeepTheDeferredPath(unittest.TestCase):
         self.assertTrue(torch.equal(plain, fast))
         self.assertNotEqual(tas.last_path().path, "immediate", tas.last_path().describe())
         self.assertNotIn("hook", tas.last_path().describe())
+
+
+class PassiveHooksKeepTheFastPath(unittest.TestCase):
+    """A hook declared `passive_hook()` (a counter) keeps the deferred path and sees the extra forward, as declared."""
+
+    def test_a_passive_counter_sees_the_extra_forward(self):
+        def count(flag):
+            model = build("llama")
+            calls = []
+            hook = tas.passive_hook(lambda m, a, o: calls.append(1))
+            handle = model.register_forward_hook(hook)
+            kw = {"async_stopping_criteria": True} if flag else {}
+            out = model.generate(PROMPT, max_new_tokens=10, do_sample=False, pad_token_id=PAD,
+                                 eos_token_id=stop_ids(None), **kw)
+            handle.remove()
+            return out, len(calls)
+
+        with stock():
+            plain = count(False)
+        fast = count(True)
+        self.assertTrue(torch.equal(plain[0], fast[0]))
+        self.assertEqual(fast[1], plain[1] + 1)
+        self.assertEqual(tas.last_path().path, "deferred")

@@ -101,9 +101,28 @@ def _users(hooks: dict) -> bool:
     of `enable_input_require_grads`. Counting them would send every later call on the model to reading at once."""
     for hook in hooks.values():
         hook = getattr(hook, "func", hook)  # functools.partial
+        if getattr(hook, _PASSIVE, False):
+            continue
         if not str(getattr(hook, "__module__", "") or "").startswith("transformers."):
             return True
     return False
+
+
+_PASSIVE = "__transformers_async_stop_passive__"
+
+
+def passive_hook(hook):
+    """Declare a forward hook passive: it neither keeps the tensors it is given nor minds seeing the forward of the
+    flag's extra step (a forward counter, a profiler's range marker). Such a hook leaves the call on its fast path;
+    it will be called once more than in stock when the call stops early. Returns the hook, to wrap it inline:
+
+        model.register_forward_hook(transformers_async_stop.passive_hook(count_calls))
+
+    Any other hook makes the call read each verdict before the next forward (and the static-cache loop feed stock's
+    fresh inputs), so that the hook sees exactly stock's forwards."""
+    function = getattr(hook, "__func__", hook)  # a bound method: the mark goes on its function
+    setattr(function, _PASSIVE, True)
+    return hook
 
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_always_called")
