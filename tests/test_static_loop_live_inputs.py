@@ -77,6 +77,32 @@ class EosIdsChangedMidCall(unittest.TestCase):
         self.assertEqual(got.tolist(), want.tolist())
 
 
+def _eos_after_switch_run(device, how, flag):
+    """The criterion changing the ids comes first: stock's EOS criterion sees the new ids at the same step."""
+    model = build("llama", device=device)
+    model.generation_config.eos_token_id = None  # no default EOS criterion: the caller's list keeps its order
+    prompt = torch.randint(3, 48, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    with stock():
+        plain = model.generate(prompt, past_key_values=static_cache(model, 40, 2), max_new_tokens=12,
+                               pad_token_id=PAD, do_sample=False)
+    token = plain[0, 7].item()  # row 0's token at length 8, where the ids change
+    eos = EosTokenCriteria([46, 47])
+    extra = {"async_stopping_criteria": True} if flag else {}
+    return model.generate(prompt, past_key_values=static_cache(model, 40, 2), max_new_tokens=12, pad_token_id=PAD,
+                          do_sample=False, stopping_criteria=StoppingCriteriaList(
+                              [SwitchStopTokens(eos, how, [token, token]), eos]), **extra).cpu()
+
+
+class EosAfterAUserCriterion(unittest.TestCase):
+    @parameterized.expand([(d, how) for d in DEVICES for how in ("rebind", "inplace")])
+    def test_eos_criterion_after_one_changing_its_ids_sees_them_at_the_same_step(self, device, how):
+        _skip_without(device)
+        with stock():
+            want = _eos_after_switch_run(device, how, False)
+        got = _eos_after_switch_run(device, how, True)
+        self.assertEqual(got.tolist(), want.tolist())
+
+
 class LoggingEmbedding(torch.nn.Embedding):
     """A user module inside the model that keeps every input it is fed."""
 

@@ -14,7 +14,8 @@ sequence in its device form (`processors/`: repetition penalty, no-repeat n-gram
 with `graph_safe()`, or one `purity.guard_for` gives a guard for (the hook below). Every captured processor but a
 declared one has a guard, checked before each capture and replay: a built-in's is a snapshot of its attributes
 (`processors.AttrGuard`), taken at the first capture.
-Stopping criteria are never captured: an exact `EosTokenCriteria` is evaluated inside the tail on the new token, an
+Stopping criteria are never captured: an exact `EosTokenCriteria` that no user criterion precedes is evaluated inside
+the tail on the new token (reading its ids tensor live, as stock reads it at every call), an
 exact `MaxLengthCriteria` is decided on the host (as on the deferred path), and every other criterion runs eagerly,
 after the tail, on the real sequence.
 """
@@ -27,7 +28,7 @@ import os
 
 import torch
 
-from ..step_lists import _EosMask, _plan_criterion, plan_processors
+from ..step_lists import _EosMask, _plan_criterion, is_user_criterion, plan_processors
 from ..verified import matches
 from .. import cache_kwarg
 from . import processors as forms
@@ -181,7 +182,9 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
                 if callable(getattr(getattr(make, "purity", None), "observe", None))]
     eos, criteria = [], []
     for criterion in stopping_criteria:
-        if _exact_eos(criterion):
+        # the tail checks EOS before the other criteria run: only where none before it is user code, which may
+        # change its ids, and stock's EOS criterion would see them at the same step
+        if _exact_eos(criterion) and not any(is_user_criterion(c) for c, _ in criteria):
             eos.append(criterion)
         else:
             criteria.append((criterion, _plan_criterion(criterion)))
