@@ -19,6 +19,7 @@
 #   blog      the blog's experiment: a static-cache generate() inside @torch.inference_mode(), Llama-1B-shaped bf16
 #             and #43089's tiny Llama, stock / upstream / flag side by side (scripts/inference_mode_blog.py)
 #   all       tests,overhead,bench
+# Stage limits (seconds): T_CUDA, T_NEW, T_ASSISTED (the three pytest runs of `tests`), USAGE_TIMEOUT (per seed).
 # Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, PROFILE_VARIANTS,
 # BENCH_TRACE=1.
 # transformers 5.17.0 is the device image's own; the others travel as wheels in .whl/ (docs/gpu-runs.md).
@@ -62,15 +63,15 @@ for tag in ${VERSIONS:-t523}; do
   fi
   pack
   if has tests; then
-    timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py tests/test_static_loop.py \
+    timeout "${T_CUDA:-420}" python3 -m pytest -q -s -p no:cacheprovider tests/test_cuda.py tests/test_static_loop.py \
       > "$out/pytest_$ver.txt" 2>&1
     grep -E "SYNCS|passed|failed|Error|error" "$out/pytest_$ver.txt" | tail -40
     # the CUDA classes of the newer test files (their CPU tests run in CI)
-    timeout 300 python3 -m pytest -q -s -p no:cacheprovider $NEW_CUDA -k "Cuda or cuda or Capture" \
+    timeout "${T_NEW:-300}" python3 -m pytest -q -s -p no:cacheprovider $NEW_CUDA -k "Cuda or cuda or Capture" \
       > "$out/pytest_new_$ver.txt" 2>&1
     grep -E "SYNCS|passed|failed|Error|error" "$out/pytest_new_$ver.txt" | tail -30
     # assisted decoding's CUDA tests (syncs per verify round); its CPU tests run in CI
-    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_assisted.py -k Cuda \
+    timeout "${T_ASSISTED:-200}" python3 -m pytest -q -s -p no:cacheprovider tests/test_assisted.py -k Cuda \
       > "$out/assisted_$ver.txt" 2>&1
     grep -E "CUDA syncs|passed|failed|Error|error" "$out/assisted_$ver.txt" | tail -20
   fi
