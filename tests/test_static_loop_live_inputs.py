@@ -10,6 +10,7 @@ Compared with unpatched transformers (`models.stock`). CUDA variants skip withou
 
 from __future__ import annotations
 
+import contextlib
 import unittest
 
 import torch
@@ -21,6 +22,7 @@ from adversarial_helpers import static_cache
 from models import PAD, build, stock
 
 DEVICES = ["cpu", "cuda"]
+_nothing = contextlib.nullcontext
 
 
 def _skip_without(device):
@@ -142,6 +144,32 @@ class ForwardKeepsItsInputs(unittest.TestCase):
         self.assertEqual(got_out.tolist(), want_out.tolist())
         self.assertEqual(report.path, "static loop")
         self.assertIn("per-step inputs", report.reason or "")
+
+    def test_accelerate_device_hook_keeps_in_place_inputs_a_user_accelerate_hook_does_not(self):
+        # accelerate's own device hooks set an instance forward but keep no input; a user `ModelHook` may
+        from accelerate.hooks import AlignDevicesHook, ModelHook, add_hook_to_module, remove_hook_from_module
+
+        class Keep(ModelHook):
+            def pre_forward(self, module, *args, **kwargs):
+                kept.append(args[0] if args else kwargs.get("input"))
+                return args, kwargs
+
+        prompt = torch.randint(3, 48, (1, 6), generator=torch.Generator().manual_seed(1))
+        for hook, reason in ((AlignDevicesHook(execution_device="cpu"), None), (Keep(), "instance-level forward")):
+            runs = []
+            for flag in (False, True):
+                model, kept = build("llama"), []
+                add_hook_to_module(model.model.embed_tokens, hook)
+                with stock() if not flag else _nothing():
+                    out = model.generate(prompt, cache_implementation="static", max_new_tokens=6, do_sample=False,
+                                         pad_token_id=PAD, **({"async_stopping_criteria": True} if flag else {}))
+                remove_hook_from_module(model.model.embed_tokens)
+                runs.append((out.tolist(), [t.flatten().tolist() for t in kept]))
+            self.assertEqual(runs[1], runs[0])
+            if reason is None:
+                self.assertIsNone(tas.last_path().reason)
+            else:
+                self.assertIn(reason, tas.last_path().reason or "")
 
     def test_plain_model_keeps_in_place_inputs(self):
         # the detection must not catch transformers' and torch's own modules
