@@ -68,6 +68,7 @@ def patched_beam_search(original, target):
         ctl = state.ctl = AsyncStop(input_ids, generation_config.max_length, done_when="running",
                                     cache_returned=returned)
         ctl.watch_hooks(self)
+        ctl.watch_positions(self)
         try:
             outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
                                ExtraStepCriteria(stopping_criteria, ctl), generation_config,

@@ -67,6 +67,17 @@ class RngGuard:
             self.generator.set_state(self.saved)
 
 
+def _grown_length(cache):
+    """The positions a growing cache holds (`get_seq_length`: a host int for dynamic layers), or None."""
+    try:
+        length = cache.get_seq_length()
+    except Exception:  # a cache that cannot tell: the controller reads every verdict at once
+        return None
+    if isinstance(length, torch.Tensor) and length.numel() == 1:
+        return length.reshape(1)
+    return length if isinstance(length, int) else None
+
+
 class AsyncStop:
     """Controller of one deferred decoding loop (`_sample` or `_beam_search`).
 
@@ -104,7 +115,9 @@ class AsyncStop:
         self.last_length = input_ids.shape[-1]
         self.extra = False  # the step running now is the one the flag-off run never made
         self.overran = False  # an exception left the loop after a step stock never reached had run its forward
-        self.room = None  # positions a fixed-size cache can hold
+        self.room = None  # positions a fixed-size cache can hold, or the model's position table if fewer
+        self.table = None  # positions the model's learned absolute position table holds (`watch_positions`)
+        self._budget = None  # the call's first `MaxLengthCriteria`, read at every step (`follow_max_length`)
         # 4.57-5.3 static layers write where `cache_position` says: the first decode step's (the loop's kwargs
         # after the prefill, a one-element device tensor), from which the extra step's position follows
         self.next_position = None
@@ -200,7 +213,14 @@ class AsyncStop:
                 event.record(self.main)
         self.steps += 1
         self.last_length = length
-        if self.max_length is not None and length >= self.max_length:
+        changed = False
+        if self._budget is not None:
+            # stock's criterion reads `max_length` at every step: user code may raise or lower it mid-call
+            now = self._budget.max_length
+            changed, self.max_length = now != self.max_length, now
+        if not changed and self.max_length is not None and length >= self.max_length:
+            # stopped on the host only where the criterion saw this value: one changed during this step's criteria
+            # or processors is left to the criterion's own device verdict (read one step late like any other)
             return True
         if not self.synchronous and self.hooks is not None and self.hooks.hooked():
             self.synchronous = True
@@ -208,10 +228,32 @@ class AsyncStop:
                                     "next forward, which the hook would see")
         if self.synchronous or (self.room is not None and self._end_of_cache() + self.steps - 1 >= self.room):
             # no extra step allowed: read this verdict now, as stock does (a fixed-size cache with no room for the
-            # next forward's position, or a returned cache that cannot give one back)
+            # next forward's position, a position table without its row, or a returned cache that cannot give one
+            # back)
+            if not self.synchronous and self.table is not None and self._end_of_cache() + self.steps - 1 >= self.table:
+                self.synchronous = True  # every later forward is past the table too
+                self.why_synchronous = (f"the model's learned position table holds {self.table} positions: each "
+                                        "verdict is read before a forward past it")
             return self._read(self.steps - 1)
         self.rng.snapshot()
         return False
+
+    def follow_max_length(self, criteria) -> None:
+        """Read `max_length` from the call's first `MaxLengthCriteria` at every step, as stock's criterion does
+        (`StoppingCriteriaList.max_length` names the same one)."""
+        from transformers.generation.stopping_criteria import MaxLengthCriteria
+
+        for criterion in criteria:
+            if isinstance(criterion, MaxLengthCriteria):
+                self._budget = criterion
+                self.max_length = criterion.max_length
+                return
+
+    def watch_positions(self, model) -> None:
+        """No forward past the model's learned position table (position_table.py): counted from the cache."""
+        from .position_table import table_positions
+
+        self.table = table_positions(model)
 
     def watch_hooks(self, model) -> None:
         """Read every verdict at once while a forward hook is on `model` (module_state.HookWatch)."""
@@ -282,13 +324,20 @@ class AsyncStop:
         if self.cache_seen or cache is None:
             return False
         self.cache_seen = True
-        room = capacity(cache)
+        room = fixed = capacity(cache)
+        if self.table is not None:
+            room = self.table if room is None else min(room, self.table)
         if room is None:
             return True
         end = cache_end(cache, self.next_position)
+        if end is None and fixed is None:
+            end = _grown_length(cache)  # a growing cache: the positions it holds after the prefill
         if end is None:
             # nowhere to tell how full it is: never risk a forward past its end
             self.synchronous = True
+            if fixed is None:
+                self.why_synchronous = ("the model has a learned position table and the cache does not tell how "
+                                        "many positions it holds")
         elif isinstance(end, int) or not self.cuda:
             self.room, self._cache_end = room, int(end)  # a host value or a CPU tensor: reading costs nothing
         else:

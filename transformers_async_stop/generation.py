@@ -140,6 +140,9 @@ def patched_sample(original, target):
             cache_returned=cache_is_returned(generation_config, model_kwargs), route_a=route_a,
         )
         ctl.watch_hooks(self)
+        ctl.watch_positions(self)
+        if draft is None:
+            ctl.follow_max_length(stopping_criteria)
         if synced_gpus:
             ctl.peers = PeerVerdict(input_ids.device)
         if draft is not None:

@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import cache_kwarg, path_report, static_mask
 from ..module_state import hooked
-from ..cache_rollback import rollback_one_step, why_not_rollbackable
+from ..cache_rollback import capacity, rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
 from .inputs import StepInputs
 from .live_inputs import why_fresh
@@ -39,7 +39,10 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
     raw_logits = () if plan.logits else None
     batch_size, length = input_ids.shape
     unfinished_sequences = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)  # `tail.unfinished`
-    seq = input_ids.new_empty((batch_size, max(stopping_criteria.max_length, length)))
+    # wide enough for every token the cache lets stock make (one per position it has, plus the last one's): a
+    # criterion may raise `max_length` mid-call, and stock follows it (the tail writes into this buffer in place)
+    room = capacity(cache_kwarg.get(model_kwargs))
+    seq = input_ids.new_empty((batch_size, max(stopping_criteria.max_length, length + (room or 0) + 1)))
     seq[:, :length].copy_(input_ids)
 
     model_forward = (
