@@ -224,8 +224,7 @@ class AsyncStop:
             return True
         if not self.synchronous and self.hooks is not None and self.hooks.hooked():
             self.synchronous = True
-            self.why_synchronous = ("a forward hook is registered on the model: each verdict is read before the "
-                                    "next forward, which the hook would see")
+            self.why_synchronous = self.hooks.why  # a forward hook, or a class-level forward wrapper
         if self.synchronous or (self.room is not None and self._end_of_cache() + self.steps - 1 >= self.room):
             # no extra step allowed: read this verdict now, as stock does (a fixed-size cache with no room for the
             # next forward's position, a position table without its row, or a returned cache that cannot give one

@@ -133,19 +133,50 @@ class HookWatch:
     a streamer), for the controller: from then on each verdict is read before the next forward is queued, so no hook
     ever sees a forward that stock never runs. Per step it reads one counter, torch's count of hook handles ever
     made (`RemovableHandle.next_id`, public module state of `torch.utils.hooks`); the modules are scanned only when
-    it moved."""
+    it moved. It also notices a class-level `forward` wrapper (`type(model).forward = wrapper`, installed before the
+    call or mid-call): user code that runs at every forward as a hook does, unseen by torch's hook registry; per
+    step one attribute read, the wrapper's code looked at only when the class's `forward` is another object."""
 
-    __slots__ = ("model", "seen")
+    __slots__ = ("model", "seen", "forward", "why")
 
     def __init__(self, model):
         self.model = model
-        self.seen = None
+        self.seen = self.forward = None
+        self.why = None  # what was noticed, for `last_path()`
 
     def hooked(self) -> bool:
         from torch.utils.hooks import RemovableHandle
 
+        forward = getattr(type(self.model), "forward", None)
+        if forward is not self.forward:
+            self.forward = forward
+            if user_code(forward):
+                self.why = (f"{type(self.model).__name__}.forward is replaced by user code: each verdict is read "
+                            "before the next forward, which the wrapper would see")
+                return True
         now = RemovableHandle.next_id
         if now == self.seen:
             return False
         self.seen = now
-        return hooked(self.model)
+        if hooked(self.model):
+            self.why = ("a forward hook is registered on the model: each verdict is read before the next forward, "
+                        "which the hook would see")
+            return True
+        return False
+
+
+def user_code(function) -> bool:
+    """Whether `function` (a class's `forward`) is code other than transformers', torch's or this package's: its
+    own code object's file tells (a `functools.wraps` wrapper copies the name and module, not the code)."""
+    import os
+
+    import torch
+    import transformers
+
+    function = getattr(function, "__func__", function)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return False  # a builtin or a callable object: nothing of ours to tell by
+    here = os.path.dirname(os.path.abspath(__file__))
+    own = tuple(os.path.dirname(m.__file__) + os.sep for m in (transformers, torch)) + (here + os.sep,)
+    return not os.path.abspath(code.co_filename).startswith(own)

@@ -1,0 +1,90 @@
+"""A class-level `forward` wrapper sees exactly the forwards stock runs (the usage fuzzer's seed 5026).
+
+`type(model).forward = wrapper` (a logger, a profiler, an interpretability tool) is user code that runs at every
+forward, like a forward hook, but torch's hook registry never sees it. The flag's extra step ran one forward more
+than stock when the call stopped early: the wrapper, installed before the call or mid-call by a processor, recorded a
+call stock never made. While such a wrapper is on the model's class, each verdict is read before the next forward
+(`module_state.HookWatch`), as for hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+import unittest
+
+import torch
+from parameterized import parameterized
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from models import PAD, build, stock
+
+PROMPT = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+
+
+class Wrap:
+    """Installs a recording class-level forward on `type(model)`; `undo()` puts the original back."""
+
+    def __init__(self, model):
+        self.cls, self.original, self.calls = type(model), type(model).forward, []
+
+    def install(self):
+        original, calls = self.original, self.calls
+
+        @functools.wraps(original)
+        def forward(this, *args, **kwargs):
+            calls.append(kwargs["input_ids"].shape[-1] if kwargs.get("input_ids") is not None else None)
+            return original(this, *args, **kwargs)
+
+        self.cls.forward = forward
+
+    def undo(self):
+        self.cls.forward = self.original
+
+
+class WrapAt(LogitsProcessor):
+    def __init__(self, wrap, at):
+        self.wrap, self.at, self.step = wrap, at, 0
+
+    def __call__(self, input_ids, scores):
+        if self.step == self.at:
+            self.wrap.install()
+        self.step += 1
+        return scores
+
+
+def stop_ids(steps=3):
+    with stock():
+        free = build("llama").generate(PROMPT, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                       pad_token_id=PAD)
+    return sorted(set(free[:, 4 + steps - 1].tolist()))
+
+
+def run(flag, when, do_sample):
+    model = build("llama")
+    wrap = Wrap(model)
+    extra = {"async_stopping_criteria": True} if flag else {}
+    if when == "mid-call":
+        extra["logits_processor"] = LogitsProcessorList([WrapAt(wrap, at=1)])
+    else:
+        wrap.install()
+    torch.manual_seed(3)
+    try:
+        out = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=10, do_sample=do_sample,
+                             eos_token_id=stop_ids(), pad_token_id=PAD, **extra)
+    finally:
+        wrap.undo()
+    return out.tolist(), wrap.calls, torch.rand(2).tolist()
+
+
+class ClassForwardWrapperSeesStocksForwards(unittest.TestCase):
+    @parameterized.expand([(w, s) for w in ("before the call", "mid-call") for s in (False, True)])
+    def test_the_wrapper_sees_stocks_forwards(self, when, do_sample):
+        with stock():
+            ref = run(False, when, do_sample)
+        got = run(True, when, do_sample)
+        self.assertLess(len(ref[0][0]), 4 + 10, "the call must stop early for the extra step to exist")
+        self.assertEqual(ref, got)
+
+
+if __name__ == "__main__":
+    unittest.main()
