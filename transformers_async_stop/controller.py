@@ -136,6 +136,7 @@ class AsyncStop:
         self.deferred_check = None  # 5.17+: the DeferredStopCheck instance of this loop (stop_check.py)
         self.cleanups = []  # run once by close(): per-call registrations made elsewhere (static_mask.py)
         self.hooks = None  # module_state.HookWatch of the call's model (`watch_hooks`)
+        self.last_ids = None  # the `input_ids` transformers' loop handed the criteria at the last step that ran them
         self.why_synchronous = None  # why every verdict is read at once (for `last_path()`), where not the cache
 
     # -- the side stream ---------------------------------------------------------------------------------------

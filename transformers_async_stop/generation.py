@@ -164,6 +164,7 @@ def patched_sample(original, target):
                 outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
                                    SideStreamCriteria(stopping_criteria, ctl), generation_config,
                                    synced_gpus=synced_gpus, streamer=loop_streamer, **model_kwargs)
+                outputs = own_sequences(ctl, outputs) if route_a else outputs
         except BaseException:
             ctl.abort()
             raise
@@ -204,9 +205,25 @@ def _undo_route_b(ctl: AsyncStop, outputs, model_kwargs):
         return outputs
     rollback_loop_cache(ctl, outputs, model_kwargs)
     if isinstance(outputs, torch.Tensor):
-        return outputs[..., :-steps]
+        return own_sequences(ctl, outputs[..., :-steps])
     outputs.sequences = outputs.sequences[..., :-steps]
     trim_recorded(outputs, steps)
+    return own_sequences(ctl, outputs)
+
+
+def own_sequences(ctl: AsyncStop, outputs):
+    """After transformers' own loop undid the extra step: its `sequences` is a view of the extra step's ids without
+    their last column, where stock returns the last step's `input_ids` itself (contiguous, and the very tensor the
+    criteria were handed then). That tensor is `ctl.last_ids`: the extra step's `torch.cat` read it, never wrote it."""
+    ids = getattr(ctl, "last_ids", None)  # set by SideStreamCriteria at each step that ran the criteria
+    if not ctl.extra or ids is None or ctl.peers is not None:
+        return outputs
+    sequences = outputs if isinstance(outputs, torch.Tensor) else outputs.sequences
+    if sequences.shape != ids.shape:
+        return outputs  # not the undone step's view (a case this does not know): leave transformers' result
+    if isinstance(outputs, torch.Tensor):
+        return ids
+    outputs.sequences = ids
     return outputs
 
 
