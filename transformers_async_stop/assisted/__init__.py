@@ -21,6 +21,7 @@ from .. import cache_kwarg
 from ..call_state import CALL
 from .. import path_report
 from ..config import _mark, runs_stock, warn_stock
+from ..module_state import why_stateful
 from . import loop
 
 
@@ -30,6 +31,10 @@ def _why_stock(model, generation_config, synced_gpus, stopping_criteria, input_i
     if synced_gpus:
         return "assisted decoding with `synced_gpus=True` is not made async"
     assistant = kwargs.get("assistant_model")
+    for checked in (model, assistant):
+        reason = why_stateful(checked) if checked is not None else None
+        if reason is not None:
+            return reason
     if model.config.is_encoder_decoder or (assistant is not None and assistant.config.is_encoder_decoder):
         return "assisted decoding with an encoder-decoder model is not made async yet"
     name = loop.unfoldable(stopping_criteria)
