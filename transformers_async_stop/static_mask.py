@@ -43,10 +43,11 @@ _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 class MaskPlan:
     """Per call and cache: the constant parts of the decode-step mask."""
 
-    __slots__ = ("cache", "length", "keyed", "kv", "padding", "known", "last")
+    __slots__ = ("cache", "length", "keyed", "kv", "padding", "known", "last", "text")
 
-    def __init__(self, cache, length: int, keyed: bool, device: torch.device):
+    def __init__(self, cache, length: int, keyed: bool, device: torch.device, text=None):
         self.cache = weakref.ref(cache)
+        self.text = text  # the text config whose sdpa implementation the plan was made for
         self.length = length  # kv length of every full-attention static layer (`max_cache_len`)
         self.keyed = keyed  # the config has `layer_types`: stock returns {"full_attention": mask}
         self.kv = torch.arange(length, device=device)[None, None, None, :]
@@ -58,6 +59,10 @@ class MaskPlan:
         """The 4D mask of one decode step, or None where the plan does not apply (the original runs)."""
         batch = inputs_embeds.shape[0]
         if inputs_embeds.shape[1] != 1:
+            return None
+        if self.text is not None and getattr(self.text, "_attn_implementation", None) != "sdpa":
+            # `set_attn_implementation` called mid-call (a processor, a criterion): stock builds that
+            # implementation's mask (eager's is additive floats) from the next forward on
             return None
         offset = past_key_values.get_query_offset(0)
         if not isinstance(offset, torch.Tensor):
@@ -113,7 +118,7 @@ def register(model, cache, device: torch.device) -> bool:
     lengths = {layer.max_cache_len for layer in layers}
     if keyed is None or len(lengths) != 1:
         return False
-    _PLANS[cache] = MaskPlan(cache, lengths.pop(), keyed, device)
+    _PLANS[cache] = MaskPlan(cache, lengths.pop(), keyed, device, model.config.get_text_config())
     return True
 
 
