@@ -136,6 +136,7 @@ class AsyncStop:
         self.deferred_check = None  # 5.17+: the DeferredStopCheck instance of this loop (stop_check.py)
         self.cleanups = []  # run once by close(): per-call registrations made elsewhere (static_mask.py)
         self.hooks = None  # module_state.HookWatch of the call's model (`watch_hooks`)
+        self.first_layer = None  # the cache's first layer, where it can be reset (`_first_sight`)
         self.last_ids = None  # the `input_ids` transformers' loop handed the criteria at the last step that ran them
         self.why_synchronous = None  # why every verdict is read at once (for `last_path()`), where not the cache
 
@@ -226,6 +227,10 @@ class AsyncStop:
         if not self.synchronous and self.hooks is not None and self.hooks.hooked():
             self.synchronous = True
             self.why_synchronous = self.hooks.why  # a forward hook, or a class-level forward wrapper
+        if self.first_layer is not None and not self.first_layer.is_initialized:
+            # a callback reset the cache this step: where stock stops here its cache stays reset, and the extra
+            # forward would initialise it again (an undo crops, it cannot un-initialise): read this one now
+            return self._read(self.steps - 1)
         if self.synchronous or (self.room is not None and self._end_of_cache() + self.steps - 1 >= self.room):
             # no extra step allowed: read this verdict now, as stock does (a fixed-size cache with no room for the
             # next forward's position, a position table without its row, or a returned cache that cannot give one
@@ -324,6 +329,9 @@ class AsyncStop:
         if self.cache_seen or cache is None:
             return False
         self.cache_seen = True
+        layers = getattr(cache, "layers", None)
+        if isinstance(layers, list) and layers and isinstance(getattr(layers[0], "is_initialized", None), bool):
+            self.first_layer = layers[0]
         room = fixed = capacity(cache)
         if self.table is not None:
             room = self.table if room is None else min(room, self.table)
