@@ -88,3 +88,20 @@ class ClassForwardWrapperSeesStocksForwards(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ModelClassesOwnForwardKeepsTheDeferredPath(unittest.TestCase):
+    """A model class defined outside transformers (remote code, a user's subclass) whose `forward` is written in that
+    class's own file is the model's code, not a wrapper added to it: the call stays deferred."""
+
+    def test_a_subclass_forward_in_its_own_file_is_not_a_wrapper(self):
+        import transformers_async_stop as tas
+
+        model = build("llama")
+        base = type(model)
+        sub = type("Sub", (base,), {"forward": lambda self, *a, **k: base.forward(self, *a, **k),
+                                    "__module__": __name__})
+        model.__class__ = sub
+        model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=6, do_sample=False,
+                       eos_token_id=stop_ids(), pad_token_id=PAD, async_stopping_criteria=True)
+        self.assertNotIn("replaced by user code", str(tas.last_path()))

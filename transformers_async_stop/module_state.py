@@ -150,7 +150,7 @@ class HookWatch:
         forward = getattr(type(self.model), "forward", None)
         if forward is not self.forward:
             self.forward = forward
-            if user_code(forward):
+            if user_code(forward, type(self.model)):
                 self.why = (f"{type(self.model).__name__}.forward is replaced by user code: each verdict is read "
                             "before the next forward, which the wrapper would see")
                 return True
@@ -165,10 +165,12 @@ class HookWatch:
         return False
 
 
-def user_code(function) -> bool:
-    """Whether `function` (a class's `forward`) is code other than transformers', torch's or this package's: its
-    own code object's file tells (a `functools.wraps` wrapper copies the name and module, not the code)."""
+def user_code(function, cls=None) -> bool:
+    """Whether `function` (the `forward` of `cls`) is code other than transformers', torch's, this package's or the
+    file that defines `cls` (remote code, a user's subclass: the model's own code): its code object's file tells (a
+    `functools.wraps` wrapper copies the name and module, not the code)."""
     import os
+    import sys
 
     import torch
     import transformers
@@ -179,4 +181,8 @@ def user_code(function) -> bool:
         return False  # a builtin or a callable object: nothing of ours to tell by
     here = os.path.dirname(os.path.abspath(__file__))
     own = tuple(os.path.dirname(m.__file__) + os.sep for m in (transformers, torch)) + (here + os.sep,)
-    return not os.path.abspath(code.co_filename).startswith(own)
+    where = os.path.abspath(code.co_filename)
+    defined = getattr(sys.modules.get(getattr(cls, "__module__", None)), "__file__", None)
+    if defined and where == os.path.abspath(defined):
+        return False
+    return not where.startswith(own)
