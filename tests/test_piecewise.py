@@ -422,6 +422,18 @@ class OnCuda(unittest.TestCase):
         assert_same(self, ref, on)
         self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
 
+    def test_calls_inside_and_outside_inference_mode_alternate(self):
+        # a recording made under inference mode holds inference tensors; a later call outside it raised "Inplace
+        # update to inference tensor outside InferenceMode" at the replay (CUDA usage fuzzer, seeds 422, 775, 1447,
+        # 1899): each mode now records its own graphs
+        model = build("llama", device="cuda")
+        ids, mask = prompt(batch=1, device="cuda")
+        for inference in (True, False, True):
+            with torch.inference_mode() if inference else torch.no_grad():
+                _check_against_stock(self, model, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+            self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
+        self.assertEqual(len(forward.graphs_of(model).recordings), 2)
+
     def test_a_second_call_reuses_the_graphs(self):
         model = build("llama", device="cuda")
         ids, mask = prompt(batch=1, device="cuda")

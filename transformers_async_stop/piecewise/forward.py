@@ -234,7 +234,11 @@ class PiecewiseForward:
         key = (ids.shape[0], ids.dtype, positions.dtype, self.device, mask is None, keep,
                self.model.get_input_embeddings().weight.dtype, torch.get_float32_matmul_precision(),
                matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
-               matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32)
+               matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32,
+               # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them
+               # (the CUDA usage fuzzer: seeds 422, 775, 1447, 1899), and the reverse would hand inference-mode
+               # callers normal tensors where stock gives inference ones
+               torch.is_inference_mode_enabled())
         return mask, key, None
 
 
