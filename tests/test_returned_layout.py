@@ -15,9 +15,10 @@ import unittest
 
 import torch
 from parameterized import parameterized
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteriaList
 
 from models import PAD, build, eos_ids_finishing_at, prompt, stock
+from test_scores_aliasing import KeepIds as Keep
 
 SETUPS = {  # name: (generate kwargs, attention implementation)
     "dynamic loop": ({}, "sdpa"),
@@ -25,15 +26,6 @@ SETUPS = {  # name: (generate kwargs, attention implementation)
     "own loop, hidden states": ({"output_hidden_states": True}, "sdpa"),
     "own loop, no cache": ({"use_cache": False}, "sdpa"),
 }
-
-
-class Keep(StoppingCriteria):
-    def __init__(self):
-        self.kept = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.kept.append(input_ids)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def saved_size(tensor) -> int:
