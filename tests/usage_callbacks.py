@@ -19,6 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from adversarial_helpers import Boom, InnerGenerate, Interrupt
 import usage_mutators
+from models import VOCAB
 from usage_mutators import shaped
 from transformers_async_stop import graph_safe
 
@@ -75,7 +76,9 @@ class Proc(Recorder, LogitsProcessor):
             return scores
         if kind == "mutate_ids":
             if call % 3 == 1:
-                input_ids[:, -1] = (input_ids[:, -1] * 7 + 3) % vocab  # edits the sequence in place
+                # edits the sequence in place, with token ids of the model (a widening Width before it pads the
+                # scores past the vocabulary: such an id makes stock's next forward index past its embedding)
+                input_ids[:, -1] = (input_ids[:, -1] * 7 + 3) % min(vocab, VOCAB)
             return scores
         if kind == "counter":
             scores = scores.clone()

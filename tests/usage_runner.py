@@ -55,6 +55,7 @@ class Result:
     def __init__(self):
         self.trace = []  # one dict per turn
         self.used = []  # per user StaticCache created: the most positions any turn left written
+        self.measure = False  # the run that sizes the user caches (`_rooms`): it records each layer's high-water mark
         self.stock_err = None  # (turn, type, message) of a non-Boom exception
         self.where = {}  # turn -> where its exception was raised (the last frames; not compared, printed on a failure)
 
@@ -124,8 +125,24 @@ def _new_cache(sc, model, batch, result, rooms):
         result.used.append(0)
         room = sc.get("room", "roomy")
         size = ROOMY if room == "roomy" or rooms is None else max(rooms[i] + room, 1)
-        return static_cache(model, size, batch_size=batch)
+        cache = static_cache(model, size, batch_size=batch)
+        if result.measure:
+            _track_writes(cache, result.used, i)
+        return cache
     return None
+
+
+def _track_writes(cache, used, i):
+    """Record in used[i] the most positions any layer's update wrote: a cache reset mid-call (a mutator) zeroes the
+    keys afterwards, so the written keys seen after the turn under-count, and a cache sized from them overflows in
+    stock itself (a device-side assert that ends the process on CUDA). Only the sizing run carries this wrapper."""
+    for layer in cache.layers:
+        def update(*args, _orig=layer.update, _layer=layer, **kwargs):
+            out = _orig(*args, **kwargs)
+            used[i] = max(used[i], int(_layer.get_seq_length()))
+            return out
+
+        layer.update = update
 
 
 def _fresh(model):
@@ -173,10 +190,12 @@ def _inputs(sc, turn, t, model, device, state, result, rooms, grad):
     state.update(conv=conv, mask=mask, cache=cache)
 
 
-def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=0, reset=True) -> Result:
+def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=0, reset=True,
+                 measure=False) -> Result:
     model = _model(sc, device, model_seed)
     judge = judge_of(device)  # built before the seed: building it reseeds the RNG
     result = Result()
+    result.measure = measure
     if reset:
         _fresh(model)
     torch.manual_seed(sc["seed"])
@@ -347,7 +366,7 @@ def _rooms(sc, device, model_seed=0):
     if sc["cache"] != "user_static" or sc.get("room", "roomy") == "roomy":
         return None
     with stock():
-        return run_scenario(sc, False, device, None, model_seed=model_seed).used
+        return run_scenario(sc, False, device, None, model_seed=model_seed, measure=True).used
 
 
 def _raised(result) -> str:
