@@ -16,7 +16,7 @@ import torch
 from parameterized import parameterized
 
 import transformers_async_stop as tas
-from models import PAD, build, stock
+from models import PAD, TRANSFORMERS_VERSION, build, stock
 from transformers_async_stop.module_state import why_stateful
 
 ROPE_THETA = 10000.0
@@ -43,7 +43,14 @@ def rope(rope_type: str) -> dict:
 
 
 def model_with(rope_type: str):
-    return build("llama", seed=0, rope_parameters=rope(rope_type), max_position_embeddings=ORIGINAL_MAX)
+    if TRANSFORMERS_VERSION >= (5, 0):
+        return build("llama", seed=0, rope_parameters=rope(rope_type), max_position_embeddings=ORIGINAL_MAX)
+    # 4.x spells it `rope_scaling` (no theta inside), and longrope needs its `factor` given
+    scaling = {k: v for k, v in rope(rope_type).items() if k != "rope_theta"}
+    if rope_type == "longrope":
+        scaling["factor"] = 2.0
+    return build("llama", seed=0, rope_scaling=None if rope_type == "default" else scaling,
+                 max_position_embeddings=ORIGINAL_MAX)
 
 
 def rotary_state(model) -> dict:
