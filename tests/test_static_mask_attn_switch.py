@@ -13,7 +13,7 @@ import torch
 from parameterized import parameterized
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from models import PAD, build, stock
+from models import PAD, TRANSFORMERS_VERSION, build, stock
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10], [9, 10, 11, 12, 13, 14]])
 
@@ -51,6 +51,10 @@ class StaticMaskFollowsAttnImplementation(unittest.TestCase):
             self.assertTrue(torch.equal(a, b))
         self.assertEqual(len(ref.attentions), len(got.attentions))
         for step, (a, b) in enumerate(zip(ref.attentions, got.attentions)):
+            if TRANSFORMERS_VERSION < (5, 0) and (a is None or b is None):
+                # 4.x returns no attentions for a step run under sdpa; the flag must return none there too
+                self.assertIs(a, b, step)
+                continue
             for layer, (x, y) in enumerate(zip(a, b)):
                 self.assertTrue(torch.equal(x, y), (step, layer, (x - y).abs().max()))
 

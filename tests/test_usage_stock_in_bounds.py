@@ -17,7 +17,7 @@ import unittest
 import torch
 from parameterized import parameterized
 
-from models import VOCAB, stock
+from models import TRANSFORMERS_VERSION, VOCAB, stock
 
 import usage_callbacks
 import usage_runner
@@ -34,6 +34,13 @@ class StockStaysInBoundsInCudaScenarios(unittest.TestCase):
         rooms = usage_runner._rooms(sc, "cpu")
         with stock():
             ref = usage_runner.run_scenario(sc, False, "cpu", rooms)
+        if TRANSFORMERS_VERSION < (5, 0) and ref.stock_err is not None:
+            # 4.x's input preparation cannot take a turn that feeds only the new tokens to a user cache: its
+            # cache_position comes out empty and stock raises a host-side IndexError of its own (no overflow,
+            # no device assert). Only that one is allowed there.
+            where = ref.where[ref.stock_err[0]]
+            self.assertIn("_cache_dependant_input_preparation", where, ref.stock_err)
+            return
         self.assertFalse(ref.stock_err is not None and ref.stock_err[1] == "IndexError", ref.stock_err)
 
 
