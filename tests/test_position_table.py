@@ -12,7 +12,7 @@ import transformers as T
 from parameterized import parameterized
 
 import transformers_async_stop as tas
-from models import stock
+from models import TRANSFORMERS_VERSION, stock
 
 TABLE = 12
 PROMPT = 6
@@ -70,7 +70,8 @@ class ExtraStepStaysInsidePositionTable(unittest.TestCase):
         got = model.generate(ids, async_stopping_criteria=True, **kw)
         got_rng = torch.rand(3)
         described = tas.last_path().describe()
-        if mode == "static":
+        # before 5.17 there is no static-cache loop: a static cache takes the deferred path, which reads it at once
+        if mode == "static" and TRANSFORMERS_VERSION >= (5, 17):
             self.assertIn("static loop", described)
         else:  # the verdict before the forward past the table was read at once, and the report says why
             self.assertIn("position table holds 12 positions", described)
