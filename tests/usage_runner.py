@@ -153,6 +153,11 @@ def _track_writes(cache, used, i):
         def update(*args, _orig=layer.update, _layer=layer, **kwargs):
             out = _orig(*args, **kwargs)
             used[i] = max(used[i], int(_layer.get_seq_length()))
+            # (older releases' get_seq_length counts non-zero keys: a written position holding zeros is missed)
+            pos = (args[2] if len(args) > 2 else kwargs.get("cache_kwargs") or {}) or {}
+            pos = pos.get("cache_position") if isinstance(pos, dict) else None
+            if pos is not None and pos.numel():
+                used[i] = max(used[i], int(pos.max()) + 1)
             return out
 
         layer.update = update
