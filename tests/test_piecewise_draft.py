@@ -23,6 +23,7 @@ import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
 from transformers_async_stop import piecewise
 from transformers_async_stop.piecewise import eligibility, forward, graphs
+from test_piecewise import _generate
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases (the draft's loop)
@@ -40,12 +41,9 @@ def build_any(family: str, seed=0, device="cpu", dtype=torch.float32):
     return Qwen3ForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
-def _assisted(target, helper, ids, flag, seed=7, **kwargs):
-    torch.manual_seed(seed)
-    extra = {} if flag is None else {"async_stopping_criteria": flag}
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=helper, pad_token_id=PAD,
-                          return_dict_in_generate=True, output_scores=True, output_logits=True, **extra, **kwargs)
-    return out, torch.rand(4, device=ids.device)
+def _assisted(target, helper, ids, flag, **kwargs):
+    """test_piecewise's generate-and-draw, with the assistant (an unpadded prompt)."""
+    return _generate(target, ids, torch.ones_like(ids), flag, assistant_model=helper, **kwargs)
 
 
 def _check_against_stock(test, target, helper, ids, **kwargs):
