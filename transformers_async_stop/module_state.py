@@ -19,6 +19,8 @@ Everything else the scan found moves a table to the input's device (CodeGen, CTR
 
 from __future__ import annotations
 
+from torch.utils.hooks import RemovableHandle
+
 # class name -> what its forward keeps (found by the scan above; a decoding-relevant module of these families)
 STATEFUL_CLASSES = {
     "TrOCRSinusoidalPositionalEmbedding": "grows its sinusoidal table to the longest position seen",
@@ -145,8 +147,6 @@ class HookWatch:
         self.why = None  # what was noticed, for `last_path()`
 
     def hooked(self) -> bool:
-        from torch.utils.hooks import RemovableHandle
-
         forward = getattr(type(self.model), "forward", None)
         if forward is not self.forward:
             self.forward = forward
