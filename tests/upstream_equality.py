@@ -30,13 +30,24 @@ from unittest.mock import patch
 HERE = Path(__file__).resolve().parent
 
 
-def _import_cases():
-    """tests/models.py and tests/test_equivalence.py, with a stand-in for the plug-in."""
+CASE_FILES = (HERE / "models.py", HERE / "test_equivalence.py")
+
+
+def stand_in_module():
+    """What the shared cases use of the plug-in, inert (tests/test_upstream_stand_in.py checks it covers them)."""
     stand_in = types.ModuleType("transformers_async_stop")
     stand_in.is_patched = lambda: False
     stand_in.unpatch = stand_in.apply = lambda: None
+    # without the plug-in no hook is watched, so a passive mark changes nothing: the hook as given
+    stand_in.passive_hook = lambda hook: hook
+    stand_in.StockPathWarning = type("StockPathWarning", (UserWarning,), {})
     stand_in.STAND_IN = True
-    sys.modules["transformers_async_stop"] = stand_in
+    return stand_in
+
+
+def _import_cases():
+    """tests/models.py and tests/test_equivalence.py, with a stand-in for the plug-in."""
+    sys.modules["transformers_async_stop"] = stand_in_module()
     sys.path.insert(0, str(HERE))
     import models
     import test_equivalence
