@@ -31,6 +31,7 @@ import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
 from transformers_async_stop import cache_kwarg, masking, piecewise
 from transformers_async_stop.piecewise import eligibility, forward
+from transformers_async_stop.piecewise.emulation import emulated
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
@@ -392,9 +393,11 @@ def _check_against_stock(test, model, ids, mask, **kwargs):
     return out
 
 
-@unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.24")
-@mock.patch.dict(os.environ, ON)
-class OnCuda(unittest.TestCase):
+class _GraphedForwardCases:
+    """Each case on a device: CUDA, and the CPU with the graphs emulated (`piecewise/emulation.py`)."""
+
+    DEVICE = "cuda"
+
     @parameterized.expand([
         (f"{family}_{dtype_name}_{'padded' if padded else 'b1'}_{'sample' if sample else 'greedy'}",
          family, dtype, padded, sample)
@@ -404,8 +407,8 @@ class OnCuda(unittest.TestCase):
         for sample in (False, True)
     ])
     def test_the_graphed_forward_equals_stock(self, _, family, dtype, padded, sample):
-        model = build_any(family, device="cuda", dtype=dtype)
-        ids, mask = prompt(batch=3 if padded else 1, left_pad=padded, device="cuda")
+        model = build_any(family, device=self.DEVICE, dtype=dtype)
+        ids, mask = prompt(batch=3 if padded else 1, left_pad=padded, device=self.DEVICE)
         _check_against_stock(self, model, ids, mask, max_new_tokens=12, do_sample=sample, eos_token_id=None)
         if family == "qwen3" and padded:
             # the loop grows no 4D mask for Qwen3 (`dynamic_loop/wide_mask.py`): the model builds it from the padded
@@ -416,8 +419,8 @@ class OnCuda(unittest.TestCase):
             self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
 
     def test_a_returned_cache_used_again_equals_stock(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
         with stock():
             first = model.generate(ids, attention_mask=mask, pad_token_id=PAD, return_dict_in_generate=True, **kwargs)
@@ -436,8 +439,8 @@ class OnCuda(unittest.TestCase):
         # a recording made under inference mode holds inference tensors; a later call outside it raised "Inplace
         # update to inference tensor outside InferenceMode" at the replay (CUDA usage fuzzer, seeds 422, 775, 1447,
         # 1899): each mode now records its own graphs
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         for inference in (True, False, True):
             with torch.inference_mode() if inference else torch.no_grad():
                 _check_against_stock(self, model, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
@@ -445,8 +448,8 @@ class OnCuda(unittest.TestCase):
         self.assertEqual(len(forward.graphs_of(model).recordings), 2)
 
     def test_a_second_call_reuses_the_graphs(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         _check_against_stock(self, model, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
         recordings = dict(forward.graphs_of(model).recordings)
         self.assertEqual(len(recordings), 1)
@@ -454,8 +457,8 @@ class OnCuda(unittest.TestCase):
         self.assertEqual(dict(forward.graphs_of(model).recordings), recordings)
 
     def test_moved_weights_are_recaptured(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         _check_against_stock(self, model, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
         before = list(forward.graphs_of(model).recordings.values())
         model.to(torch.bfloat16)
@@ -465,15 +468,15 @@ class OnCuda(unittest.TestCase):
         self.assertIsNot(after[0], before[0])
 
     def test_a_new_batch_size_records_its_own_graphs(self):
-        model = build("llama", device="cuda")
+        model = build("llama", device=self.DEVICE)
         for batch in (1, 2, 1):
-            ids, mask = prompt(batch=batch, device="cuda")
+            ids, mask = prompt(batch=batch, device=self.DEVICE)
             _check_against_stock(self, model, ids, mask, max_new_tokens=5, do_sample=True, eos_token_id=None)
         self.assertEqual(len(forward.graphs_of(model).recordings), 2)
 
     def test_a_hook_added_between_calls_keeps_the_eager_forward(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         _check_against_stock(self, model, ids, mask, max_new_tokens=5, do_sample=False, eos_token_id=None)
         handle = model.model.layers[0].register_forward_hook(lambda *args: None)
         try:
@@ -483,31 +486,31 @@ class OnCuda(unittest.TestCase):
             handle.remove()
 
     def test_another_attention_implementation_keeps_the_eager_forward(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         _check_against_stock(self, model, ids, mask, max_new_tokens=5, do_sample=False, eos_token_id=None)
         model.set_attn_implementation("eager")
         _check_against_stock(self, model, ids, mask, max_new_tokens=5, do_sample=False, eos_token_id=None)
         self.assertIn("attention implementation 'eager'", tas.last_path().forward)
 
     def test_weights_moved_mid_call_are_recaptured(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         _check_with_fresh_criterion(self, model, ids, mask, lambda: _MoveWeightsAt(model, ids.shape[1] + 3))
         self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
         self.assertEqual(len(forward.graphs_of(model).recordings), 1)
 
     def test_a_hook_added_mid_call_sends_the_rest_eager(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         _check_with_fresh_criterion(self, model, ids, mask, lambda: _HookAt(model, ids.shape[1] + 2))
         self.assertIn("a hook was added", tas.last_path().forward)
 
     def test_two_threads_generating_at_once_keep_the_eager_forward(self):
         import threading
 
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=PAD)
         with stock():
             ref = model.generate(ids, attention_mask=mask, **kwargs)
@@ -536,11 +539,29 @@ class OnCuda(unittest.TestCase):
         self.assertTrue(torch.equal(ref, seen["other"]))
 
     def test_the_switch_off_keeps_the_eager_forward(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         with mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "0"}):
             _check_against_stock(self, model, ids, mask, max_new_tokens=5, do_sample=False, eos_token_id=None)
         self.assertEqual(tas.last_path().forward, f"eager: {eligibility.PIECEWISE_ENV}=0")
+
+
+@unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.24")
+@mock.patch.dict(os.environ, ON)
+class OnCuda(_GraphedForwardCases, unittest.TestCase):
+    DEVICE = "cuda"
+
+
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
+@mock.patch.dict(os.environ, ON)
+class EmulatedOnCpu(_GraphedForwardCases, unittest.TestCase):
+    """The same cases on the CPU, each CUDA graph emulated by its piece's recorded ATen ops replayed without Python:
+    what the recording bakes in, and every per-step check around the replays, run in CI (no GPU there)."""
+
+    DEVICE = "cpu"
+
+    def setUp(self):
+        self.enterContext(emulated())
 
 
 def _check_with_fresh_criterion(test, model, ids, mask, make):

@@ -34,6 +34,7 @@ import torch
 
 from .. import cache_kwarg, concurrency
 from ..static_loop.tail import _capture_stream, _heal_generator
+from . import emulation
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)
 _SCALARS = (bool, int, float, str, type(None))
@@ -87,6 +88,23 @@ class _Marker:
 _POSITIONS = _Marker()
 
 
+class _Cuda:
+    """What a recording takes from `torch.cuda` (`emulation.Backend` stands in for it in the CPU tests)."""
+
+    @staticmethod
+    def Graph():
+        return torch.cuda.CUDAGraph()
+
+    current_stream = staticmethod(torch.cuda.current_stream)
+    capture_stream = staticmethod(_capture_stream)
+    stream = staticmethod(torch.cuda.stream)
+    heal = staticmethod(_heal_generator)
+
+
+def _backend(device):
+    return emulation.Backend if device.type == "cpu" and emulation.active() else _Cuda
+
+
 def _intercept(original):
     def attention(*args, **kwargs):
         recorder = _ACTIVE.get()
@@ -119,9 +137,9 @@ def _swapped_attention(impl: str):
 class _Recorder:
     """The state of one recording forward (see the module docstring)."""
 
-    def __init__(self, recording: Recording, cache, modules, real_mask, main, stream, pool):
+    def __init__(self, recording: Recording, cache, modules, real_mask, main, stream, pool, backend):
         self.rec, self.cache, self.modules, self.real_mask = recording, cache, modules, real_mask
-        self.main, self.stream, self.pool = main, stream, pool
+        self.main, self.stream, self.pool, self.backend = main, stream, pool, backend
         self.graph = None  # the piece under capture
         self.pending = None  # (layer_idx, k, v, keys, values) between an update and its attention
         self.saved = []  # (layer, keys, values) before this step's update: restored if the recording fails
@@ -131,7 +149,7 @@ class _Recorder:
         return self.modules[index] if index < len(self.modules) else None
 
     def begin(self) -> None:
-        graph = torch.cuda.CUDAGraph()
+        graph = self.backend.Graph()
         graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         self.graph = graph
 
@@ -145,7 +163,7 @@ class _Recorder:
         if self.pool is None:
             self.pool = graph.pool()
         self.rec.graphs.append(graph)
-        with torch.cuda.stream(self.main):
+        with self.backend.stream(self.main):
             graph.replay()
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -157,7 +175,7 @@ class _Recorder:
         if layer is not None:
             self.saved.append((layer, getattr(layer, "keys", None), getattr(layer, "values", None),
                                getattr(layer, "is_initialized", True)))
-        with torch.cuda.stream(self.main):
+        with self.backend.stream(self.main):
             keys, values = type(self.cache).update(self.cache, key_states, value_states, layer_idx)
         self.pending = (layer_idx, key_states, value_states, keys, values)
         return keys, values
@@ -180,7 +198,7 @@ class _Recorder:
                 recorded[name] = value
             else:
                 raise NotRecordable(f"the attention's argument {name!r} is a {type(value).__name__}")
-        with torch.cuda.stream(self.main):
+        with self.backend.stream(self.main):
             output, weights = original(module, query, keys, values, self.real_mask, **kwargs)
             if weights is not None:
                 raise NotRecordable("the attention returns weights")
@@ -214,14 +232,15 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     with concurrency.capture_turn() as alone:
         if not alone:
             return None
-        main = torch.cuda.current_stream(device)
-        stream = _capture_stream(device)
-        recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool)
+        backend = _backend(device)
+        main = backend.current_stream(device)
+        stream = backend.capture_stream(device)
+        recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend)
         stream.wait_stream(main)
         token = _ACTIVE.set(recorder)
         cache.update = recorder.update  # the call's own cache object, for this forward only
         try:
-            with _swapped_attention(impl), torch.cuda.stream(stream):
+            with _swapped_attention(impl), backend.stream(stream):
                 recorder.begin()
                 outputs = model_forward(**kwargs)
                 if len(recording.layers) != len(modules) or recorder.pending is not None:
@@ -230,7 +249,7 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
                 recorder.end()
         except BaseException:
             if recorder.graph is not None:
-                _heal_generator(recorder.graph, stream)
+                backend.heal(recorder.graph, stream)
             main.wait_stream(stream)
             recorder.restore_cache()
             raise
