@@ -5,8 +5,9 @@ model's own) where it cannot replay:
 - the step's inputs: only `input_ids` / `position_ids` (one column), the cache (`past_key_values` up to 5.23,
   `cache` from 5.24: `cache_kwarg.py`), `use_cache`, `logits_to_keep`,
   `return_dict`, and a mask whose effect on the attention is known on the host (`_attention_mask`);
-- staleness: a module, parameter or buffer replaced, or its storage moved (`.to()`, `.data =`, a dtype change): the
-  model's recordings are dropped and the step records again; a hook or a wrapped forward added, training mode, an
+- staleness: a module, parameter or buffer replaced, or its storage moved (`.to()`, `.data =`, a dtype change), or a
+  plain attribute of a module or a config rebound (a norm's epsilon, an attention's scaling: `_attribute_entries`):
+  the model's recordings are dropped and the step records again; a hook or a wrapped forward added, training mode, an
   attention implementation other than SDPA: the rest of the call runs eagerly;
 - threads: while another thread is inside `generate()`, the step runs eagerly (the graphs and their buffers serve one
   forward at a time);
@@ -68,6 +69,7 @@ class ModelGraphs:
                     entries.append((table, name, tensor))
                     if tensor is not None:
                         tensors.append(tensor)
+        entries += _attribute_entries(model)
         self.entries, self.tensors = entries, tensors
         self._columns = tuple(map(list, zip(*entries))) if entries else ([], [], [])
         self.pointers = [tensor.data_ptr() for tensor in tensors]
@@ -78,6 +80,34 @@ class ModelGraphs:
         if any(map(operator.is_not, map(dict.get, tables, names), values)):
             return True
         return list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
+
+
+def _attribute_entries(model) -> list:
+    """(dict, name, value) for every plain attribute a forward may read and a replay has baked in: each module's own
+    (a norm's epsilon, an attention's scaling, the rotary embedding's attention scaling; torch's private fields, named
+    with "_", excluded) and every field of the configs the modules hold (`self.config.num_hidden_layers`...). User
+    code that rebinds one, between calls or from a criterion mid-call, makes the recordings stale, as stock reads the
+    new value at its next forward. Compared by identity: a rebinding to an equal value only records again."""
+    entries, configs, seen = [], {}, set()
+    for module in model.modules():
+        table = module.__dict__
+        for name, value in table.items():
+            if not name.startswith("_"):
+                entries.append((table, name, value))
+        config = table.get("config")
+        if config is not None and hasattr(config, "__dict__"):
+            configs[id(config)] = config
+    while configs:  # the configs, and the sub-configs they hold (a text config)
+        key, config = configs.popitem()
+        if key in seen:
+            continue
+        seen.add(key)
+        table = config.__dict__
+        for name, value in table.items():
+            entries.append((table, name, value))
+            if type(value).__module__.startswith("transformers") and hasattr(value, "to_dict"):
+                configs[id(value)] = value
+    return entries
 
 
 def graphs_of(model) -> ModelGraphs:
