@@ -4,9 +4,9 @@ CPU: the draft's decision and the reason it gives in the assisted call's `last_p
 every draft decode step's inputs taken by the recording (the recording itself refused on the CPU, so each step runs
 eagerly, equal to stock), a draft batch other than 1 and the draft switch (`piecewise.DRAFT_ON`) stepping aside.
 
-CUDA (skipped without it): assisted decoding with the flag, the draft graphed, bit-exact against unpatched
-transformers (sequences, scores, logits, the returned cache, the RNG state after the call), Llama/Mistral/Qwen2/Qwen3
-drafts, fp32 and bf16, greedy and sampling.
+CUDA (skipped without it), and the CPU with the graphs emulated (`piecewise/emulation.py`): assisted decoding with the
+flag, the draft graphed, bit-exact against unpatched transformers (sequences, scores, logits, the returned cache, the
+RNG state after the call), Llama/Mistral/Qwen2/Qwen3 drafts, fp32 and bf16, greedy and sampling.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
 from transformers_async_stop import piecewise
 from transformers_async_stop.piecewise import eligibility, forward, graphs
+from transformers_async_stop.piecewise.emulation import emulated
 from test_piecewise import _generate
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
@@ -118,9 +119,11 @@ def _cache_name():
     return cache_kwarg.name()
 
 
-@unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.24")
-@mock.patch.dict(os.environ, ON)
-class DraftOnCuda(unittest.TestCase):
+class _GraphedDraftCases:
+    """Each case on a device: CUDA, and the CPU with the graphs emulated (`piecewise/emulation.py`)."""
+
+    DEVICE = "cuda"
+
     @parameterized.expand([
         (f"{family}_{dtype_name}_{'sample' if sample else 'greedy'}", family, dtype, sample)
         for family in ("llama", "mistral", "qwen2", "qwen3")
@@ -128,24 +131,41 @@ class DraftOnCuda(unittest.TestCase):
         for sample in (False, True)
     ])
     def test_assisted_decoding_with_a_graphed_draft_equals_stock(self, _, family, dtype, sample):
-        target = build("llama", seed=0, device="cuda", dtype=dtype)
-        helper = build_any(family, seed=1, device="cuda", dtype=dtype)
-        ids = prompt(batch=1, device="cuda")[0]
+        target = build("llama", seed=0, device=self.DEVICE, dtype=dtype)
+        helper = build_any(family, seed=1, device=self.DEVICE, dtype=dtype)
+        ids = prompt(batch=1, device=self.DEVICE)[0]
         _check_against_stock(self, target, helper, ids, max_new_tokens=16, do_sample=sample, eos_token_id=None)
         self.assertTrue(tas.last_path().forward.startswith("draft graphed"), tas.last_path().forward)
 
     def test_a_draft_stopping_on_eos_equals_stock(self):
         # EOS in the draft: the draft loop's extra step (read one token late) is undone in the assistant's cache
-        target, helper = build("llama", seed=0, device="cuda"), build("llama", seed=1, device="cuda")
-        ids = prompt(batch=1, device="cuda")[0]
+        target, helper = build("llama", seed=0, device=self.DEVICE), build("llama", seed=1, device=self.DEVICE)
+        ids = prompt(batch=1, device=self.DEVICE)[0]
         for eos in range(3, 12):
             _check_against_stock(self, target, helper, ids, max_new_tokens=16, do_sample=False, eos_token_id=eos)
 
     def test_a_second_assisted_call_reuses_the_drafts_graphs(self):
-        target, helper = build("llama", seed=0, device="cuda"), build("llama", seed=1, device="cuda")
-        ids = prompt(batch=1, device="cuda")[0]
+        target, helper = build("llama", seed=0, device=self.DEVICE), build("llama", seed=1, device=self.DEVICE)
+        ids = prompt(batch=1, device=self.DEVICE)[0]
         _check_against_stock(self, target, helper, ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
         recordings = dict(forward.graphs_of(helper).recordings)
         self.assertEqual(len(recordings), 1)
         _check_against_stock(self, target, helper, ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
         self.assertEqual(dict(forward.graphs_of(helper).recordings), recordings)
+
+
+@unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.24")
+@mock.patch.dict(os.environ, ON)
+class DraftOnCuda(_GraphedDraftCases, unittest.TestCase):
+    DEVICE = "cuda"
+
+
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop runs on transformers 5.17-5.24")
+@mock.patch.dict(os.environ, ON)
+class DraftEmulatedOnCpu(_GraphedDraftCases, unittest.TestCase):
+    """The same cases on the CPU, the draft's graphs emulated (recorded ATen ops replayed without Python)."""
+
+    DEVICE = "cpu"
+
+    def setUp(self):
+        self.enterContext(emulated())
