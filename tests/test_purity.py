@@ -189,7 +189,8 @@ def _host(kind):
             if kind == "mask":
                 out = scores.clone()
                 # boolean-mask indexing, its shape set by the values: read here, as a write alone (`out[m] = -inf`)
-                # dispatches `index_put_` on torch 2.13 but `masked_fill_` (no read) on torch 2.15
+                # dispatches `index_put_` on torch 2.13 but `masked_fill_` (no read) on torch 2.15: the write alone is
+                # judged by the op torch dispatches in test_purity_mask_write.py
                 out[scores < 0] = scores[scores < 0] * 2
                 return out
             raise ValueError(kind)

@@ -211,6 +211,8 @@ class _Recorder:
         if torch.Tag.dynamic_output_shape in func.tags and (name not in ("index", "_unsafe_index")
                                                             or _bool_indices(args)):
             return self.fail(f"its output shape depends on values ({name}): the host must read them")
+        # `out[m] = v` on torch 2.13: the kernel turns the mask into indices (on CUDA a host read, and a capture would
+        # keep the capture step's mask). torch 2.15 dispatches it as `masked_fill_`, a device kernel: nothing to reject
         if name in ("index_put", "index_put_", "_index_put_impl_") and _bool_indices(args):
             return self.fail(f"it indexes with a boolean mask ({name}): the host must read it")
         if any(str(r.type) not in _TENSOR_RETURNS for r in func._schema.returns) and name not in _METADATA_OPS:
