@@ -31,7 +31,7 @@ import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
 from transformers_async_stop import cache_kwarg, masking, piecewise
 from transformers_async_stop.piecewise import eligibility, forward
-from transformers_async_stop.piecewise.emulation import emulated
+from transformers_async_stop.graph_emulation import emulated
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
@@ -394,7 +394,7 @@ def _check_against_stock(test, model, ids, mask, **kwargs):
 
 
 class _GraphedForwardCases:
-    """Each case on a device: CUDA, and the CPU with the graphs emulated (`piecewise/emulation.py`)."""
+    """Each case on a device: CUDA, and the CPU with the graphs emulated (`graph_emulation.py`)."""
 
     DEVICE = "cuda"
 

@@ -26,7 +26,7 @@ import torch
 
 from ..call_state import compiling
 from ..verified import matches
-from . import emulation
+from .. import graph_emulation as emulation
 
 PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"
 

@@ -33,8 +33,7 @@ import contextvars
 import torch
 
 from .. import cache_kwarg, concurrency
-from ..static_loop.tail import _capture_stream, _heal_generator
-from . import emulation
+from ..static_loop.tail import backend_for
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)
 _SCALARS = (bool, int, float, str, type(None))
@@ -86,23 +85,6 @@ class _Marker:
 
 
 _POSITIONS = _Marker()
-
-
-class _Cuda:
-    """What a recording takes from `torch.cuda` (`emulation.Backend` stands in for it in the CPU tests)."""
-
-    @staticmethod
-    def Graph():
-        return torch.cuda.CUDAGraph()
-
-    current_stream = staticmethod(torch.cuda.current_stream)
-    capture_stream = staticmethod(_capture_stream)
-    stream = staticmethod(torch.cuda.stream)
-    heal = staticmethod(_heal_generator)
-
-
-def _backend(device):
-    return emulation.Backend if device.type == "cpu" and emulation.active() else _Cuda
 
 
 def _intercept(original):
@@ -232,7 +214,7 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     with concurrency.capture_turn() as alone:
         if not alone:
             return None
-        backend = _backend(device)
+        backend = backend_for(device)
         main = backend.current_stream(device)
         stream = backend.capture_stream(device)
         recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend)

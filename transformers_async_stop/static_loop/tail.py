@@ -31,6 +31,7 @@ import warnings
 import torch
 
 from .. import concurrency
+from .. import graph_emulation as emulation
 
 _CAPTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
@@ -61,6 +62,24 @@ def _heal_generator(graph, stream) -> None:
         with torch.cuda.stream(stream):
             empty.capture_begin(capture_error_mode="thread_local")
             empty.capture_end()
+
+
+class _Cuda:
+    """What a capture takes from `torch.cuda` (`graph_emulation.Backend` stands in for it in the CPU tests)."""
+
+    @staticmethod
+    def Graph():
+        return torch.cuda.CUDAGraph()
+
+    current_stream = staticmethod(torch.cuda.current_stream)
+    capture_stream = staticmethod(_capture_stream)
+    stream = staticmethod(torch.cuda.stream)
+    heal = staticmethod(_heal_generator)
+
+
+def backend_for(device):
+    """CUDA's graphs and streams; on the CPU, inside a test's `graph_emulation.emulated()`, their emulation."""
+    return emulation.Backend if device.type == "cpu" and emulation.active() else _Cuda
 
 
 def _is_user(processor) -> bool:
@@ -328,20 +347,21 @@ class Tail:
         with concurrency.capture_turn() as alone:
             if not alone:
                 return None  # another thread is inside generate(): eager this step, try again at the next
-            graph = torch.cuda.CUDAGraph()
-            main = torch.cuda.current_stream(device)
-            stream = _capture_stream(device)
+            backend = backend_for(device)
+            graph = backend.Graph()
+            main = backend.current_stream(device)
+            stream = backend.capture_stream(device)
             stream.wait_stream(main)
             began = False
             try:
-                with torch.cuda.stream(stream):
+                with backend.stream(stream):
                     graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                     began = True
                     scores = self._body(self.seq[:, :length], advance)
                     graph.capture_end()
             except BaseException as error:
                 if began:
-                    _heal_generator(graph, stream)
+                    backend.heal(graph, stream)
                 if not isinstance(error, Exception):
                     raise  # KeyboardInterrupt, SystemExit: after the generator is healed
                 # a processor declared graph-safe that is not: run eagerly from now on
