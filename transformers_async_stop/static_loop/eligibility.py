@@ -31,6 +31,7 @@ import torch
 from ..step_lists import _EosMask, _plan_criterion, is_user_criterion, plan_processors
 from ..verified import matches
 from .. import cache_kwarg
+from .. import graph_emulation as emulation
 from . import processors as forms
 
 STATIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_STATIC_LOOP"
@@ -188,7 +189,7 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
             eos.append(criterion)
         else:
             criteria.append((criterion, _plan_criterion(criterion)))
-    capture = torch.cuda.is_available() and _on_cuda(model) and not _off(CAPTURE_ENV) and pure
+    capture = _capturable_device(model) and not _off(CAPTURE_ENV) and pure
     rdig = generation_config.return_dict_in_generate
     return LoopPlan(
         processors=processors, phased=[p for p in processors if isinstance(p, _EosMask)],
@@ -207,8 +208,15 @@ def _exact_eos(criterion) -> bool:
     return type(criterion) is EosTokenCriteria and matches("EosTokenCriteria.__call__")
 
 
-def _on_cuda(model) -> bool:
+def _capturable_device(model) -> bool:
+    """CUDA; or the CPU inside a test's `graph_emulation.emulated()` (the tails' captures emulated)."""
+    if emulation.active():
+        return _device_type(model) == "cpu"
+    return torch.cuda.is_available() and _device_type(model) == "cuda"
+
+
+def _device_type(model):
     try:
-        return model.device.type == "cuda"
+        return model.device.type
     except (AttributeError, StopIteration):
-        return False
+        return None

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ... import graph_emulation as emulation
 from .snapshot import _Snapshot, _Unprovable
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -237,8 +238,10 @@ class _Recorder:
                 a.name == "generator" for a in func._schema.arguments):
             return
         device = self.input_ids.device
+        # the CPU's generator is a graph's only in the tests' emulation, which replays the draw as eager makes it
+        graph_device = device.type == "cuda" or (device.type == "cpu" and emulation.active())
         for t in tree_leaves((args, kwargs, out)):
-            if isinstance(t, torch.Tensor) and (t.device.type != "cuda" or t.device != device):
+            if isinstance(t, torch.Tensor) and (not graph_device or t.device != device):
                 name = func._schema.name.split("::")[-1]
                 return self.fail(f"it draws ({name}) from the {t.device.type} generator, not the graph's device's")
 

@@ -1,0 +1,43 @@
+"""The CUDA-only test classes of the static loop's captured tail, run on the CPU with the graphs emulated
+(`graph_emulation.py`): the tail is captured and replayed without its Python, as on CUDA, so CI (no GPU) runs the
+capture decisions, the guards before each replay and what a replay bakes in. Each class here is its CUDA class with
+`device = "cpu"` under `emulated()`; the CUDA classes are imported as module attributes so that pytest does not
+collect them twice."""
+
+from __future__ import annotations
+
+import unittest
+
+import test_static_loop_usage
+import test_usage_holes
+from transformers_async_stop.graph_emulation import emulated
+
+# cases of the CUDA classes that need CUDA itself, not a captured tail
+_CUDA_ITSELF = {
+    # torch.compile of the forward (inductor on the CPU is another kernel set and takes minutes to build)
+    "test_the_blog_experiment_with_the_compiled_forward",
+}
+
+
+class _Emulated:
+    device = "cpu"
+    __unittest_skip__ = False
+
+    def setUp(self):
+        if self._testMethodName.rsplit("_", 2)[0] in _CUDA_ITSELF or any(
+                self._testMethodName.startswith(name) for name in _CUDA_ITSELF):
+            self.skipTest("needs CUDA itself, not a captured tail")
+        super().setUp()
+        self.enterContext(emulated())
+
+
+class StaticLoopUsageEmulated(_Emulated, test_static_loop_usage.StaticLoopUsageCuda):
+    pass
+
+
+class UsageHolesEmulated(_Emulated, test_usage_holes.UsageHolesCuda):
+    pass
+
+
+if __name__ == "__main__":
+    unittest.main()
