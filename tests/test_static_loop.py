@@ -186,23 +186,25 @@ class GraphSafety(unittest.TestCase):
 # --- on CUDA: the tail captured into CUDA graphs ------------------------------------------------------------------
 @needs_cuda
 class CudaCapturedTail(unittest.TestCase):
+    DEVICE = "cuda"  # the CPU under the graph emulation: test_emulated_captures.py
+
     @parameterized.expand([(sampling, padded, compiled) for sampling in (False, True) for padded in (False, True)
                            for compiled in (False, True) if not (compiled and padded)])
     def test_the_captured_tail_equals_stock(self, sampling, padded, compiled):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1 if compiled else 3, left_pad=padded, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1 if compiled else 3, left_pad=padded, device=self.DEVICE)
         kw = loop_kwargs(model, ids, mask, sampling, finishing=(5,) if compiled else (3, 5, None),
                          cache_implementation="static")
         if not compiled:
             kw.update(disable_compile=True)
         with LoopSpy() as spy:
-            assert_flag_matches_stock(self, model, ids, mask, torch.device("cuda"), **kw)
+            assert_flag_matches_stock(self, model, ids, mask, torch.device(self.DEVICE), **kw)
         self.assertEqual(spy.runs, 1)
         self.assertGreater(spy.captured, 0, "the tail was never captured")
 
     def test_declared_and_provably_pure_processors_are_captured_an_impure_one_is_not_all_equal_stock(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=2, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=2, device=self.DEVICE)
 
         class Softmax(LogitsProcessor):
             def __call__(self, input_ids, scores):
@@ -219,12 +221,12 @@ class CudaCapturedTail(unittest.TestCase):
                       eos_token_id=eos_ids_finishing_at(model, ids, mask, [4, None]))
             with self.subTest(processor=type(processor).__name__, captured=captured):
                 with LoopSpy() as spy:
-                    assert_flag_matches_stock(self, model, ids, mask, torch.device("cuda"), **kw)
+                    assert_flag_matches_stock(self, model, ids, mask, torch.device(self.DEVICE), **kw)
                 self.assertEqual(spy.captured > 0, captured)
 
     def test_zero_syncs_per_decode_step_with_the_captured_tail(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
 
         def per_step(**extra):
             def call(n):

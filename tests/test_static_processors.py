@@ -396,28 +396,30 @@ class SettingsChangedMidCall(unittest.TestCase):
 # --- on CUDA: captured ------------------------------------------------------------------------------------------------
 @needs_cuda
 class CudaCapturedProcessors(unittest.TestCase):
+    DEVICE = "cuda"  # the CPU under the graph emulation: test_emulated_captures.py
+
     @parameterized.expand([(name, extra, sampling) for name, extra in CASES for sampling in (False, True)])
     def test_captured_equals_stock(self, name, extra, sampling):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=3, left_pad=True, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=3, left_pad=True, device=self.DEVICE)
         kw = _kwargs(model, ids, mask, sampling, disable_compile=True, **extra)
-        _, _, plans = run_both(self, model, ids, mask, device="cuda", **kw)
+        _, _, plans = run_both(self, model, ids, mask, device=self.DEVICE, **kw)
         if name not in ("sequence_bias", "bad_words") or _sequence_bias_forms():
             self.assertTrue(plans.plans[0].capture)
             self.assertGreater(plans.captured, 0, "the tail was never captured")
 
     def test_the_chat_config_is_captured(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=1, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
         kw = dict(max_new_tokens=16, pad_token_id=PAD, cache_implementation="static", do_sample=True,
                   temperature=0.7, top_p=0.9, top_k=50, repetition_penalty=1.1, disable_compile=True)
-        _, _, plans = run_both(self, model, ids, mask, device="cuda", **kw)
+        _, _, plans = run_both(self, model, ids, mask, device=self.DEVICE, **kw)
         self.assertTrue(plans.plans[0].capture)
         self.assertGreater(plans.captured, 0)
 
     def test_a_temperature_annealed_mid_call_is_honoured(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=2, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=2, device=self.DEVICE)
 
         def make():
             warper = TemperatureLogitsWarper(0.9)
@@ -426,15 +428,15 @@ class CudaCapturedProcessors(unittest.TestCase):
 
         kw = dict(max_new_tokens=12, pad_token_id=PAD, cache_implementation="static", do_sample=True, top_k=0,
                   eos_token_id=None, disable_compile=True, return_dict_in_generate=True, output_scores=True)
-        _, _, plans = run_both(self, model, ids, mask, device="cuda", make=make, **kw)
+        _, _, plans = run_both(self, model, ids, mask, device=self.DEVICE, make=make, **kw)
         self.assertGreater(plans.captured, 0)
         self.assertFalse(plans.tails[0].capture)
 
     def test_a_processor_keeping_references_is_not_captured_and_equals_stock(self):
-        model = build("llama", device="cuda")
-        ids, mask = prompt(batch=2, device="cuda")
+        model = build("llama", device=self.DEVICE)
+        ids, mask = prompt(batch=2, device=self.DEVICE)
         with mock.patch.object(eligibility, "_purity_guard", return_value=None):
-            run_both(self, model, ids, mask, device="cuda", make=lambda: dict(
+            run_both(self, model, ids, mask, device=self.DEVICE, make=lambda: dict(
                 logits_processor=LogitsProcessorList([KeepsScores()])),
                 **_kwargs(model, ids, mask, sampling=True, disable_compile=True))
 
