@@ -11,6 +11,8 @@
 #   fuzz      the differential fuzz on CUDA (TAS_FUZZ_DRAWS draws, default 200)
 #   usage     the usage fuzzer on CUDA (scripts/usage_fuzz.py, USAGE_DRAWS scenarios, default 1000), once per seed in
 #             USAGE_SEEDS (default 0; a seed repeated runs the same scenarios again, under the same load)
+#   seeds     the usage fuzzer's scenarios of the seeds in USAGE_ONLY (a comma list: the failing seeds of an earlier
+#             CUDA run) on CUDA, shrunk where they fail
 #   old       OLD_TESTS (pytest paths; default tests/test_thread_streams.py) on this tree, and (where .old/ holds an
 #             earlier copy of the package, made with `git archive <commit> transformers_async_stop | tar -x -C .old`)
 #             on that copy: a test of a fix should fail there. OLD_REPEAT: runs of each. `threads` is the same mode
@@ -133,6 +135,13 @@ for tag in ${VERSIONS:-t523}; do
       grep -E "^TOTAL|^FAILED|drawn|passed" "$out/usage_${ver}_$run.txt" | tail -12
       pack
     done
+  fi
+  pack
+  if has seeds && [ -n "${USAGE_ONLY:-}" ]; then
+    timeout "${USAGE_TIMEOUT:-270}" python3 scripts/usage_fuzz.py --device cuda --only "$USAGE_ONLY" --shrink 30 \
+      --max-failures 50 --json "$out/seeds_$ver.json" > "$out/seeds_$ver.txt" 2>&1
+    echo "--- usage seeds $USAGE_ONLY"
+    grep -E "^FAIL|^TOTAL|drawn|passed" "$out/seeds_$ver.txt" | tail -20
   fi
   pack
   if has multi; then
