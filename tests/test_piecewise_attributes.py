@@ -77,6 +77,28 @@ class RebindingAnAttributeTheForwardReads(unittest.TestCase):
         out = _generate(model, ids, mask, True)
         assert_same(self, ref, out)
 
+    @parameterized.expand([("mid_call", True), ("between_calls", False)])
+    def test_weights_rebound_to_new_values_make_the_recording_stale(self, _, mid_call):
+        # `p.data = new` moves the storage: a replay would keep reading the old memory (the emulation pins it as a
+        # CUDA graph does), so only the staleness check makes the step record the new weights
+        def rescale(model):
+            for param in model.parameters():
+                param.data = param.data * 1.5
+
+        outputs = []
+        for flag in (None, True):
+            model = build("llama")
+            ids, mask = prompt(batch=1)
+            if not mid_call:
+                with stock() if flag is None else mock.patch.dict(os.environ, {}):
+                    _generate(model, ids, mask, flag)
+                rescale(model)
+            criteria = StoppingCriteriaList([_TweakAt(model, ids.shape[1] + 3, rescale)] if mid_call else [])
+            with stock() if flag is None else mock.patch.dict(os.environ, {}):
+                outputs.append(_generate(model, ids, mask, flag, stopping_criteria=criteria))
+        assert_same(self, *outputs)
+        self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
+
     def test_an_unchanged_model_keeps_its_recording_across_steps_and_calls(self):
         # the check must not see the forward's own per-step work as a change (that would record every step)
         model = build("llama")

@@ -38,6 +38,16 @@ class EmulatedGraph(unittest.TestCase):
         graph.replay()
         self.assertTrue(torch.equal(y, torch.full((3,), 10.0)))
 
+    def test_a_replay_keeps_the_memory_of_a_tensor_rebound_after_the_capture(self):
+        # `p.data = ...` after a capture: a CUDA graph still reads the old address, and so does the emulation
+        # (a missed staleness check shows as a stale value here, as on CUDA)
+        x, weight = torch.ones(3), torch.nn.Parameter(torch.ones(3), requires_grad=False)
+        graph, y = _captured(lambda: x * weight)
+        weight.data = torch.full((3,), 2.0)
+        x.fill_(3.0)
+        graph.replay()
+        self.assertTrue(torch.equal(y, torch.full((3,), 3.0)))
+
     def test_an_in_place_op_applies_once_per_replay(self):
         x = torch.ones(3)
 

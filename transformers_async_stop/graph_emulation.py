@@ -7,7 +7,8 @@ would never run it. Inside `with emulated():` it runs on CPU models too, through
 - a capture runs its piece's ops (a CPU has no deferred launch) and records each ATen op it dispatches, with the
   very tensors it read and wrote; the capture's execution is the piece's first replay, as a CUDA graph's capture is
   followed by one (`piecewise/graphs._Recorder.end`);
-- a replay runs the recorded ops again on the recorded tensors, without any of the model's Python: an in-place or
+- a replay runs the recorded ops again on the recorded tensors' memory (a storage rebound since, `p.data = x`, is
+  not seen, as a graph keeps reading the old address), without any of the model's Python: an in-place or
   `out=` op runs again in place, an op whose output aliases an input (a view) is skipped (its output already is a
   window on the refreshed input), and any other op's fresh result is copied into the tensor the capture made. So
   what the model decided in Python while recording (shapes, branches, scalars) is baked in, as on CUDA;
@@ -26,6 +27,7 @@ import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 _LOCK = threading.Lock()
 _DEPTH = 0
@@ -67,6 +69,10 @@ def _tensors(value):
             yield from _tensors(item)
 
 
+def _pinned(value):
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
 def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
@@ -77,8 +83,11 @@ class _Op:
     __slots__ = ("func", "args", "kwargs", "outputs", "kind")
 
     def __init__(self, func, args, kwargs, out):
-        self.func, self.args, self.kwargs = func, args, kwargs
         self.outputs = list(_tensors(out))
+        # a CUDA graph reads and writes addresses: a tensor whose storage is rebound after the capture (`p.data = x`,
+        # `.to()`) is not seen by a replay, which keeps the old memory. So the replay holds each argument as an alias
+        # of the storage it had at the capture, not the Python object the program may rebind
+        self.func, self.args, self.kwargs = func, tree_map(_pinned, args), tree_map(_pinned, kwargs)
         schema = func._schema
         writes = any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
         if writes:
