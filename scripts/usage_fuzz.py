@@ -2,11 +2,15 @@
 shrunk failing scenarios.
 
     python scripts/usage_fuzz.py --draws 1000 --seed 0 [--device cuda] [--only 3,17] [--shrink 120] [--json out.json]
+    python scripts/usage_fuzz.py --only 51,177 --drawn-for cuda --graphed emulated   # CUDA seeds, emulated on the CPU
 
 Counts: drawn, passed, failed, skipped (stock raised, and the flag raised the same: nothing else to compare), and
 crashed outside generate() (the harness or a poisoned process). Each failure is shrunk (`--shrink` tries, 0: off) to
 a minimal scenario, printed as JSON that `--scenario '<json>'` replays. On CPU the deferred path is forced
-(TRANSFORMERS_ASYNC_STOP_FORCE=1, as the CPU test suite does).
+(TRANSFORMERS_ASYNC_STOP_FORCE=1, as the CPU test suite does). `--graphed` sets issue 27's dimension on every
+scenario (threads included) instead of the drawn value: `emulated` runs the flag run under the CPU emulation of CUDA
+graphs; `--drawn-for cuda` draws the seeds as a CUDA run does (to replay a CUDA run's seeds on the CPU). The counts
+end with how many flag runs took the graphed forward in at least one call (`graphed`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ def main():
     ap.add_argument("--json", default="", help="write the counts and failures here")
     ap.add_argument("--workers", type=int, default=1, help="split the seeds over this many processes (one GPU "
                                                             "is mostly idle between a tiny model's steps)")
+    ap.add_argument("--graphed", default="", choices=("", "emulated", "off", "natural"),
+                    help="issue 27's dimension for every scenario (default: as drawn)")
+    ap.add_argument("--drawn-for", default="", help="draw the seeds for this device (default: --device)")
     args = ap.parse_args()
     if args.workers > 1 and not args.scenario:
         return _fan_out(args)
@@ -45,6 +52,7 @@ def main():
 
     transformers.logging.set_verbosity_error()
     import usage_dimensions
+    import usage_runner
     from usage_runner import check
     from usage_scenarios import draw, dumps, shrink
 
@@ -52,7 +60,12 @@ def main():
         scenarios = [(None, json.loads(args.scenario))]
     else:
         seeds = [int(s) for s in args.only.split(",") if s.strip()] or range(args.seed, args.seed + args.draws)
-        scenarios = [(s, draw(s, args.device)) for s in seeds]
+        scenarios = [(s, draw(s, args.drawn_for or args.device)) for s in seeds]
+    if args.graphed:
+        for _, sc in scenarios:
+            for s in (sc, sc.get("threads", {}).get("other")):
+                if s is not None:
+                    s["graphed"] = args.graphed
 
     def outcome(sc):
         try:
@@ -66,6 +79,7 @@ def main():
     for seed, sc in scenarios:
         status, detail = outcome(sc)
         counts["drawn"] += 1
+        counts["graphed"] += any((path or "").startswith("graphed") for path in usage_runner.LAST_FORWARD)
         if counts["drawn"] % 25 == 0:
             print(f"  {counts['drawn']} drawn, {time.time() - start:.0f}s: {dict(counts)}", flush=True)
         counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(status, status)] += 1
@@ -94,7 +108,7 @@ def main():
                 break
     elapsed = time.time() - start
     print(f"transformers {transformers.__version__} device {args.device}: " +
-          " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed")) +
+          " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed")) +
           f" in {elapsed:.0f}s ({time.process_time() - cpu0:.0f}s of CPU)")
     for reason, n in skips.most_common(8):
         print(f"  skipped {n}: stock raised {reason}")
@@ -124,6 +138,8 @@ def _fan_out(args) -> int:
         out = os.path.join(tmp, f"w{w}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(map(str, part)), "--device",
                args.device, "--shrink", str(args.shrink), "--max-failures", str(args.max_failures), "--json", out]
+        cmd += ["--graphed", args.graphed] if args.graphed else []
+        cmd += ["--drawn-for", args.drawn_for] if args.drawn_for else []
         procs.append((subprocess.Popen(cmd), out))
     counts, failures, version, seconds = collections.Counter(), [], "?", 0.0
     for proc, out in procs:
@@ -137,7 +153,7 @@ def _fan_out(args) -> int:
         failures.extend(data["failures"])
         version, seconds = data["transformers"], max(seconds, data["seconds"])
     print(f"TOTAL transformers {version} device {args.device} workers {args.workers}: " +
-          " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed")) +
+          " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed")) +
           f" (slowest worker {seconds:.0f}s)")
     for f in failures:
         scenario = json.dumps(f.get("shrunk") or f["scenario"], sort_keys=True)

@@ -22,7 +22,7 @@ from unittest import mock
 from parameterized import parameterized
 from transformers import GenerationConfig
 
-from models import stock
+from models import TRANSFORMERS_VERSION, stock
 
 import usage_dimensions
 import usage_runner
@@ -47,7 +47,7 @@ def _topped_up(seeds: list[int]) -> list[int]:
     seeds miss (a few seeds: the slice reaches every value whatever the draw rates)."""
     if os.environ.get("TAS_USAGE_ONLY", "").strip() or not seeds:
         return seeds
-    missing = usage_dimensions.every_value().difference(*(usage_dimensions.reached(draw(s, DEVICE)) for s in seeds))
+    missing = usage_dimensions.every_value(DEVICE).difference(*(usage_dimensions.reached(draw(s, DEVICE)) for s in seeds))
     extra, seed = [], seeds[-1] + 1
     while missing and seed < seeds[-1] + 5000:
         got = usage_dimensions.reached(draw(seed, DEVICE)) & missing
@@ -119,14 +119,14 @@ class DrawsCoverUsage(unittest.TestCase):
         # each value of the autograd contexts, rope types, verdict shapes and dtypes, widths, mutations, in-place id
         # edits and hidden states: at least 3 times in 400 draws (a value never drawn fails here)
         counts = collections.Counter(v for seed in range(400) for v in usage_dimensions.reached(draw(seed, DEVICE)))
-        rare = {v: counts[v] for v in usage_dimensions.every_value() if counts[v] < 3}
+        rare = {v: counts[v] for v in usage_dimensions.every_value(DEVICE) if counts[v] < 3}
         self.assertEqual(rare, {}, "issue-25 dimension values drawn fewer than 3 times in 400 draws")
 
     def test_the_ci_slice_reaches_every_issue25_dimension_value(self):
         if os.environ.get("TAS_USAGE_ONLY", "").strip() or os.environ.get("TAS_USAGE_DRAWS", "80") != "80":
             self.skipTest("a custom slice")
         reached = set().union(*(usage_dimensions.reached(draw(s, DEVICE)) for s in SEEDS))
-        self.assertEqual(usage_dimensions.every_value() - reached, set())
+        self.assertEqual(usage_dimensions.every_value(DEVICE) - reached, set())
 
     def test_old_fields_of_a_seed_are_drawn_as_before(self):
         # the new dimensions come from their own random streams: the fields drawn before them are the same as the
@@ -195,6 +195,39 @@ class Issue25DimensionsTakeEffect(unittest.TestCase):
             return any(a[0].startswith("logits") and (a[1] or "").startswith("scores")
                        for e in trace for a in e.get("alias", ()))
         self._first("turn:alias_probe", aliased)
+
+
+    @unittest.skipUnless((5, 17) <= TRANSFORMERS_VERSION <= (5, 24), "the piecewise forward's releases (5.17-5.24)")
+    def test_emulated_scenarios_take_the_graphed_forward_in_the_flag_run(self):
+        # issue 27: `graphed: emulated` runs the flag run's calls under the CPU emulation of CUDA graphs; most such
+        # scenarios must replay decode steps from the graphs (a scenario the path stepped aside from for every call,
+        # or an emulation that never engaged, would pass vacuously)
+        took, tried = [], 0
+        for seed in range(3000):
+            sc = draw(seed, "cpu")
+            if sc.get("graphed") != "emulated":
+                continue
+            result = usage_runner.run_scenario(sc, True, "cpu", usage_runner._rooms(sc, "cpu"))
+            took.append(any((path or "").startswith("graphed") for path in result.forward))
+            tried += 1
+            if tried == 12:
+                break
+        self.assertGreaterEqual(sum(took), 6, f"{sum(took)} of {tried} emulated scenarios took the graphed forward")
+
+    @unittest.skipUnless((5, 17) <= TRANSFORMERS_VERSION <= (5, 24), "the piecewise forward's releases (5.17-5.24)")
+    def test_off_scenarios_turn_the_graphed_forward_off(self):
+        # `graphed: off` (on CUDA: the natural path's opposite) turns the path off by its environment switch: shown
+        # with the emulation on around the run, where the path would be taken otherwise
+        from transformers_async_stop.piecewise.emulation import emulated
+
+        sc = next(c for c in (draw(seed, "cpu") for seed in range(3000))
+                  if c.get("graphed") == "off" and len(c["turns"]) == 1 and not c["turns"][0]["processors"]
+                  and not c["turns"][0]["criteria"] and c["turns"][0].get("max_new_tokens", 0) > 2)
+        with emulated():
+            result = usage_runner.run_scenario(sc, True, "cpu", usage_runner._rooms(sc, "cpu"))
+            on = usage_runner.run_scenario({**sc, "graphed": "emulated"}, True, "cpu", usage_runner._rooms(sc, "cpu"))
+        self.assertEqual(result.forward, ["eager: TRANSFORMERS_ASYNC_STOP_PIECEWISE=0"])
+        self.assertTrue(on.forward[0].startswith("graphed"), on.forward)
 
 
 class ThreadScenariosAreFair(unittest.TestCase):

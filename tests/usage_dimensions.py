@@ -10,6 +10,11 @@ callbacks of usage_mutators.py inserted among the turn's processors and criteria
 the cache, the generation config or the processor/criteria lists, in-place edits of `input_ids`, processors with
 hidden state, scores narrowed or widened before transformers' own processors. Any criterion (old or new) may return
 its verdict as (batch, 1) and / or as long / uint8 (`ret`).
+
+Issue 27's `graphed` (per scenario, for the scenarios the piecewise-graphed forward may take: a dynamic cache, SDPA,
+a family it reads, a rope without per-length state): on the CPU `emulated` (the flag run's calls inside
+`piecewise.emulation.emulated()`, so the graphed path records and replays there) or `off`; on CUDA, where the path
+is taken as it is, `natural` or `off` (`TRANSFORMERS_ASYNC_STOP_PIECEWISE=0`). Stock's runs are unaffected.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ WIDEN_THEN = ("repetition_penalty", "no_repeat_ngram", "min_new_tokens", "sequen
 NARROW_THEN = ("min_new_tokens", "suppress")
 RET_DTYPES = ("bool", "long", "uint8")
 GRADS = ("none", "no_grad", "inference_mode")
+GRAPHED = {"cpu": ("emulated", "off"), "cuda": ("natural", "off")}
+GRAPHED_FAMILIES = ("llama", "qwen2", "mistral")  # (piecewise.eligibility.FAMILIES the fuzzer builds)
+GRAPHED_CACHES = ("none", "user_dynamic", "returned_dynamic")
+GRAPHED_RATE = {"cpu": 0.6, "cuda": 0.75}  # emulated on the CPU / natural on CUDA; else off
 
 
 def _weighted(rng, table):
@@ -119,8 +128,18 @@ def _steps(turn) -> int:
     return max(turn.get("max_new_tokens", turn.get("max_length_extra", 1)), 1)
 
 
+def _graphed(sc: dict, device: str) -> None:
+    """Issue 27: the flag run's piecewise forward, for a scenario it may take (its own random stream)."""
+    kind = "cuda" if device != "cpu" else "cpu"
+    if (sc["attn"] != "sdpa" or sc["cache"] not in GRAPHED_CACHES or sc["family"] not in GRAPHED_FAMILIES
+            or sc.get("rope", {}).get("type") in ("dynamic", "longrope")):
+        return
+    rng = random.Random(f"{sc['seed']}/graphed")
+    sc["graphed"] = GRAPHED[kind][0] if rng.random() < GRAPHED_RATE[kind] else "off"
+
+
 def add(sc: dict, device: str) -> None:
-    """Adds issue 25's dimensions to the drawn scenario `sc` (in place)."""
+    """Adds issue 25's and 27's dimensions to the drawn scenario `sc` (in place)."""
     rng = random.Random(f"{sc['seed']}/issue25")
     r = rng.random()
     grad = "inference_mode" if r < 0.35 else "no_grad" if r < 0.5 else "none"
@@ -157,10 +176,13 @@ def add(sc: dict, device: str) -> None:
                     # (batch, batch), then its next tokens 3-D): most such draws run without EOS, where stock
                     # broadcasts it and returns
                     turn["eos"] = None
+    _graphed(sc, device)
 
 
 def candidates(sc: dict, variant):
     """Simpler variants of `sc` along these dimensions (for usage_scenarios.shrink)."""
+    if sc.get("graphed") in ("emulated", "natural"):  # (a failure that stays with the path off is not the path's)
+        yield variant(lambda s: s.__setitem__("graphed", "off"))
     for key in ("grad", "rope"):
         if key in sc:
             yield variant(lambda s, key=key: s.pop(key))
@@ -185,6 +207,8 @@ def reached(sc: dict) -> set:
         out.add("rope:" + sc["rope"]["type"])
     if sc["family"] == "phi3":
         out.add("family:phi3")
+    if "graphed" in sc:
+        out.add("graphed:" + sc["graphed"])
     for turn in sc["turns"]:
         out.update("turn:" + key for key in ("grad", "made_in", "alias_probe") if key in turn)
         if "before" in turn:
@@ -214,9 +238,10 @@ def reached(sc: dict) -> set:
     return out
 
 
-def every_value() -> set:
-    """Every value `reached` can report."""
-    out = {"grad:" + g for g in GRADS} | {"rope:" + r for r in ROPE_TYPES} | {"family:phi3"}
+def every_value(device: str = "cpu") -> set:
+    """Every value `reached` can report for scenarios drawn for `device`."""
+    out = {"graphed:" + g for g in GRAPHED["cuda" if device != "cpu" else "cpu"]}
+    out |= {"grad:" + g for g in GRADS} | {"rope:" + r for r in ROPE_TYPES} | {"family:phi3"}
     out |= {"turn:grad", "turn:made_in", "turn:alias_probe", "mutator:processor", "mutator:criterion"}
     out |= {"before:" + w for w in BEFORE} | {"mutation:" + w for w in MUTATIONS} | {"hidden:" + h for h in HIDDEN}
     out |= {"width:widen", "width:narrow"} | {"after_width:" + n for n in WIDEN_THEN}

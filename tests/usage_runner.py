@@ -27,16 +27,19 @@ import traceback
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+import transformers_async_stop as tas
+
 from adversarial_helpers import Boom, Interrupt, cache_state, config_cache, judge_model, static_cache
 from models import PAD, build, stock
 import usage_mutators
 from usage_callbacks import Context, KeepingStreamer, make_criterion, make_processor, observed
 from usage_mutators import Mutator
-from usage_state import alias_signature, grad_context, module_state, output_tensors, rope_config, rope_family, \
-    tensor_flags
+from usage_state import alias_signature, grad_context, graphed_context, module_state, output_tensors, rope_config, \
+    rope_family, tensor_flags
 
 VOCAB = 48
 ROOMY = 100
+LAST_FORWARD: list = []  # the last `check`'s flag run: each call's `last_path().forward` (the fuzzer's counts)
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,6 +61,7 @@ class Result:
         self.measure = False  # the run that sizes the user caches (`_rooms`): it records each layer's high-water mark
         self.stock_err = None  # (turn, type, message) of a non-Boom exception
         self.where = {}  # turn -> where its exception was raised (the last frames; not compared, printed on a failure)
+        self.forward = []  # per turn: `last_path().forward` of the flag run's call (not compared: stock has none)
 
 
 def _tokens(seed, shape, device):
@@ -170,13 +174,17 @@ def _fresh(model):
         delattr(model, name)
 
 
-def _model(sc, device, model_seed):
+def _model(sc, device, model_seed, shared=False):
     """The scenario's model: a cached one, or a fresh one for a scenario whose callbacks change the model (hooks,
-    parameters, attention) or whose rotary module keeps state (rope): each run starts from the built model."""
+    parameters, attention), whose rotary module keeps state (rope) or that runs the emulated graphed forward: each
+    run starts from the built model."""
     dtype = sc.get("dtype", "float32")
     mutates = any(t.get("before") or any(c["kind"] == "mutator" for c in t["processors"] + t["criteria"])
                   for t in sc["turns"])
-    if not sc.get("rope") and not mutates:
+    # an emulated graphed scenario (issue 27) too: transformers keeps the output-capturing hooks a call asking for
+    # hidden states installed on a shared model, and every later scenario's graphed forward would step aside there
+    # (not for two threads: they share the cached model, and each thread's scenario runs with `shared`)
+    if not sc.get("rope") and not mutates and (sc.get("graphed") != "emulated" or shared):
         return model_of(sc["family"], sc["attn"], model_seed, device, dtype)
     family = rope_family(sc["family"], sc.get("rope"))
     model = build(family, seed=model_seed, device=device, attn=sc["attn"], dtype=getattr(torch, dtype),
@@ -210,7 +218,7 @@ def _inputs(sc, turn, t, model, device, state, result, rooms, grad):
 
 def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=0, reset=True,
                  measure=False) -> Result:
-    model = _model(sc, device, model_seed)
+    model = _model(sc, device, model_seed, shared=not rng_draws)  # (no RNG draws: two threads, one model maybe)
     judge = judge_of(device)  # built before the seed: building it reseeds the RNG
     result = Result()
     result.measure = measure
@@ -287,10 +295,12 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
         try:
             if before is not None:
                 before.apply()  # the caller changes something between two calls
-            out, err, modes = _call(model, None if turn["embeds"] else ids, kwargs, turn.get("in_thread"),
-                                    flag and via == "model_config", turn.get("grad", sc.get("grad")))
+            with graphed_context(sc.get("graphed") if flag else None):  # issue 27: the flag run's graphed forward
+                out, err, modes, path = _call(model, None if turn["embeds"] else ids, kwargs, turn.get("in_thread"),
+                                              flag and via == "model_config", turn.get("grad", sc.get("grad")))
         finally:
             usage_mutators.restore_classes()
+        result.forward.append(getattr(path, "forward", None) if flag else None)
         if err is not None:
             exc, err = err, (type(err).__name__, str(err))
             result.where[t] = "".join(traceback.format_exception(exc)[-4:])
@@ -349,9 +359,10 @@ def _aliases(out, callbacks, streamer):
 
 
 def _call(model, ids, kwargs, in_thread, flag_on_model, grad=None):
-    """generate() (in a worker thread if asked) inside the autograd context `grad`: (output, None, modes) or (None,
-    the exception, modes); modes: the grad / inference mode seen right after the call, inside the context."""
-    box = [None, None, None]
+    """generate() (in a worker thread if asked) inside the autograd context `grad`: (output, None, modes, path) or
+    (None, the exception, modes, path); modes: the grad / inference mode seen right after the call, inside the
+    context; path: the call's `last_path()` (read in the calling thread: it is per thread)."""
+    box = [None, None, None, None]
 
     def call():
         with grad_context(grad):
@@ -360,6 +371,7 @@ def _call(model, ids, kwargs, in_thread, flag_on_model, grad=None):
             except (Exception, Interrupt) as exc:  # noqa: BLE001 - an exception is an observable: type, message
                 box[1] = exc
             box[2] = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+            box[3] = tas.last_path() if tas.is_patched() else None
 
     config = model.generation_config
     old = config.__dict__.get("async_stopping_criteria", box)
@@ -377,7 +389,7 @@ def _call(model, ids, kwargs, in_thread, flag_on_model, grad=None):
             del config.async_stopping_criteria
         elif flag_on_model:
             config.async_stopping_criteria = old
-    return box[0], box[1], box[2]
+    return box[0], box[1], box[2], box[3]
 
 
 def _rooms(sc, device, model_seed=0):
@@ -394,6 +406,7 @@ def _raised(result) -> str:
 
 def check(sc, device="cpu"):
     """('pass' | 'fail' | 'stock_err', detail) for one scenario."""
+    LAST_FORWARD.clear()
     if "threads" in sc:
         from usage_threads import check_threads  # (it runs this module's scenarios)
 
@@ -402,6 +415,7 @@ def check(sc, device="cpu"):
     with stock():
         ref = run_scenario(sc, False, device, rooms)
     on = run_scenario(sc, True, device, rooms)
+    LAST_FORWARD[:] = on.forward
     d = diff(ref.trace, on.trace, "turns")
     if d:
         return "fail", d + _raised(on)

@@ -9,6 +9,9 @@
   model's attention implementation: state a forward may change (dynamic rope) or a leftover of a failure may leave;
 - `tensor_flags`: whether each tensor of an output or cache is an inference tensor / requires grad (a user's in-place
   edit of an inference tensor outside inference mode raises: it is observable);
+- `graphed_context`: the piecewise-graphed forward as the scenario's `graphed` draws it for the flag run: `emulated`
+  (the CPU emulation of CUDA graphs, `piecewise/emulation.py`: the path runs on CPU models), `off`
+  (`TRANSFORMERS_ASYNC_STOP_PIECEWISE=0`), `natural` (as the device takes it: on CUDA, graphed);
 - `alias_signature`: which of the tensors the caller got (output scores, logits, what callbacks received and kept,
   streamer values) are the same object or share storage with an earlier one (an in-place edit of one shows in the
   other: `out.scores[i] is out.logits[i]` in stock when no processor changes the scores).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 
 import torch
 from transformers import LlamaConfig
@@ -78,6 +82,38 @@ def grad_context(name):
             yield
     else:
         yield
+
+
+@contextlib.contextmanager
+def graphed_context(value):
+    """The flag run's piecewise forward as drawn (`usage_dimensions._graphed`); None or `natural`: as it is."""
+    from transformers_async_stop.piecewise import PIECEWISE_ENV
+
+    if value == "emulated":
+        from transformers_async_stop.piecewise.emulation import emulated
+
+        with emulated(), _env(PIECEWISE_ENV, "1"):  # (on even where the environment turned it off)
+            yield
+    elif value == "off":
+        with _env(PIECEWISE_ENV, "0"):
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    # this one variable set and put back (`mock.patch.dict` would clear and refill the whole environment on the way
+    # out, which a second thread of a scenario could read half-refilled)
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _plain(value):

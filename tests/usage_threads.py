@@ -82,6 +82,9 @@ def check_threads(sc, device="cpu"):
             del shared.async_stopping_criteria
         elif shared is not None:
             shared.async_stopping_criteria = before
+    import usage_runner
+
+    usage_runner.LAST_FORWARD[:] = [path for on in ons if on is not None for path in on.forward]
     for i in (0, 1):
         if errors[i]:
             return "fail", f"thread {i} raised outside generate(): {errors[i]}"
