@@ -139,6 +139,7 @@ class AsyncStop:
         self.first_layer = None  # the cache's first layer, where it can be reset (`_first_sight`)
         self.last_ids = None  # the `input_ids` transformers' loop handed the criteria at the last step that ran them
         self.why_synchronous = None  # why every verdict is read at once (for `last_path()`), where not the cache
+        self.padding = None  # padding_check.PendingChecks: the decode forward's padding checks, run at `join`
 
     # -- the side stream ---------------------------------------------------------------------------------------
     def allow_side(self, carried: torch.Tensor | None) -> None:
@@ -281,6 +282,8 @@ class AsyncStop:
         self.wait_pending()
         if self.read < self.steps and self._read(self.steps - 1, in_join=True):
             self.extra = True
+        if self.padding is not None:
+            self.padding.settle(self.extra)  # the forward just queued warns as stock's, unless it is the extra one
         return self.extra
 
     def wait_pending(self) -> None:
@@ -394,8 +397,13 @@ class AsyncStop:
         if self.deferred_check is not None:
             self.deferred_check.abort()
         self.close()
-        if self.read < self.steps and not self.extra and self._tokens is not None:
-            self._read(self.steps - 1)
+        final = False
+        pending = self.padding is not None and bool(self.padding.items)
+        if self.read < self.steps and not self.extra and (self._tokens is not None or pending):
+            final = self._read(self.steps - 1)
+        if pending:
+            # the forward that raised after its padding check: stock warned there, if it runs that forward at all
+            self.padding.settle(self.extra or self.overran or final)
         if self.overran:
             self.rng.restore()
 

@@ -19,7 +19,7 @@ from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step
 from .call_state import CALL, CallState, active_controller, active_draft, compiling
 from .module_state import why_stateful
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
-from . import concurrency, dynamic_loop, static_loop
+from . import concurrency, dynamic_loop, padding_check, static_loop
 from . import path_report
 from .controller import AsyncStop
 from .patching import MARKER
@@ -55,9 +55,9 @@ def patched_padding_warning(original, target):
         if not compiling():
             ctl = active_controller()
             if ctl is not None and ctl.steps > 0:
-                # a decode step feeds tokens `generate()` made itself, after it dropped an all-ones mask: the prompt
-                # was checked at prefill, and this check would cost a blocking read per step
-                return None
+                # a decode step: checked on a host copy when the previous verdict is read (padding_check.py), not
+                # with a blocking read per step
+                return padding_check.check(original, self, ctl, input_ids, attention_mask, args, kwargs)
         return original(self, input_ids, attention_mask, *args, **kwargs)
 
     return _mark(warn_if_padding_and_no_attention_mask, original)
