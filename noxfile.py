@@ -1,5 +1,6 @@
-"""Test sessions. `nox -s tests releases floor` runs the three (CI runs exactly that, see .ci/run and README.md);
-`nox -s newest` is the porting check for a new transformers release, run by hand (see `newest`).
+"""Test sessions. `nox` alone runs what CI runs: `nox -s tests releases floor newest_torch upstream` (keep in step with
+.ci/run and README.md, "Running the tests"); `nox -s newest` is the porting check for a new transformers release, run
+by hand (see `newest`).
 
 - `tests`: the whole suite, one fresh virtualenv per release, on the releases named in README.md:
   4.57.6, 5.0.0, 5.17.0, 5.23.0 and 5.24.0.
@@ -11,8 +12,13 @@
 - `floor`: the lowest torch and transformers that setup.py declares (TORCH_FLOOR, TRANSFORMERS[0]), together: the
   drift test and the core subset. Its torch comes from the package index with its CUDA libraries (about 5 GB, 5
   minutes on a 2-core machine; the CPU-only builds live on download.pytorch.org, out of reach of some CI hosts).
+- `newest_torch`: the whole suite on the newest torch (TORCH_NEWEST) with the newest supported transformers. The CI
+  machines' pip configuration caps torch at the releases on their disk, so this session lifts the cap for its own
+  install (NO_TORCH_CAP) and gets torch from the package index with its CUDA libraries (about 2.6 GB of downloads,
+  5.4 GB installed).
+- `upstream`: the upstream patch series (scripts/upstream_check.sh).
 
-torch is pinned to 2.13.0: on the CI machines that is a local CPU build (an unpinned torch pulls GBs of CUDA wheels).
+torch is pinned to 2.13.0 in `tests` and `releases`: on the CI machines that is a local CPU build (an unpinned torch pulls GBs of CUDA wheels).
 Every install passes `--no-compile`: byte-compiling torch and transformers at install time is most of the install time
 on a 2-core machine (torch 31 s -> 8 s, one transformers release 18 s -> 5 s); modules are compiled when imported.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -30,6 +37,7 @@ import nox.command
 
 TORCH = "2.13.0"
 TORCH_FLOOR = "2.6.0"  # setup.py's `torch>=2.6`: transformers 5.x's own floor; keep the two in step
+TORCH_NEWEST = "2.15.0"  # the newest torch release (`pip index versions torch`)
 # The whole suite runs on these (keep in step with README.md, "Supported transformers releases").
 TRANSFORMERS = ["4.57.6", "5.0.0", "5.17.0", "5.23.0", "5.24.0"]
 # The newest patch release of every minor between them (`pip index versions transformers`), drift + core tests only.
@@ -41,7 +49,12 @@ TEST_DEPS = ["accelerate", "pytest", "parameterized"]
 TEST_ENV = {"TRANSFORMERS_ASYNC_STOP_FORCE": "1", "HF_HUB_OFFLINE": "1"}
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
 
-nox.options.sessions = ["tests", "releases", "floor"]
+# The CI machines' pip configuration (global `constraint` = /etc/xdg/pip/constraints.txt) caps torch at the releases
+# on their disk (torch<=2.14.1). An environment variable overrides the configuration file's value; pip ignores an
+# empty one, and an empty constraints file lifts the cap. Only the installs that must reach past it pass this.
+NO_TORCH_CAP = {"PIP_CONSTRAINT": os.devnull}
+
+nox.options.sessions = ["tests", "releases", "floor", "newest_torch", "upstream"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -93,12 +106,25 @@ def floor(session):
 
 
 @nox.session
+def newest_torch(session):
+    """The whole suite on the newest torch, from the package index past the machine's cap (NO_TORCH_CAP), with the
+    newest supported transformers. Its own virtualenv (.nox/newest_torch): nothing from the torch 2.13.0 ones."""
+    session.install("--no-compile", f"torch=={TORCH_NEWEST}", f"transformers=={TRANSFORMERS[-1]}", *TEST_DEPS,
+                    "matplotlib", env=NO_TORCH_CAP)
+    session.install("--no-deps", "-e", ".")
+    # fails if anything but TORCH_NEWEST was installed (a cap that came back would otherwise pass unseen)
+    session.run("python", "-c", "import torch, transformers; print('torch', torch.__version__, '| transformers', "
+                f"transformers.__version__); assert torch.__version__.split('+')[0] == {TORCH_NEWEST!r}")
+    session.run("python", *PYTEST, "tests", *session.posargs, env=TEST_ENV)
+
+
+@nox.session
 def newest(session):
     """The porting check, run by hand the day a transformers release appears (not in `.ci/run`: an upstream release
     never blocks a landing): the newest transformers and torch from the package index (torch with its CUDA
     libraries), the drift test, the core tests, and the porting report (scripts/drift_report.py). Fails when
     anything needs porting; the report is printed either way."""
-    session.install("--no-compile", "--upgrade", "torch", "transformers", *TEST_DEPS)
+    session.install("--no-compile", "--upgrade", "torch", "transformers", *TEST_DEPS, env=NO_TORCH_CAP)
     session.install("--no-deps", "-e", ".")
     session.run("python", "-c", "import torch, transformers; print('torch', torch.__version__, '| transformers', "
                 "transformers.__version__)")
