@@ -18,7 +18,8 @@ by hand (see `newest`).
   5.4 GB installed).
 - `upstream`: the upstream patch series (scripts/upstream_check.sh).
 
-torch is pinned to 2.13.0 in `tests` and `releases`: on the CI machines that is a local CPU build (an unpinned torch pulls GBs of CUDA wheels).
+torch is pinned to 2.13.0 in `tests` and `releases`: on the CI machines that is a local CPU build (an unpinned torch
+pulls GBs of CUDA wheels).
 Every install passes `--no-compile`: byte-compiling torch and transformers at install time is most of the install time
 on a 2-core machine (torch 31 s -> 8 s, one transformers release 18 s -> 5 s); modules are compiled when imported.
 """
