@@ -40,7 +40,8 @@ class StopRowsAt(StoppingCriteria):
     def __call__(self, input_ids, scores, **kwargs):
         made = input_ids.shape[1] - self.prompt_len
         user_log.warning(f"criterion at {made}")
-        done = [step is not None and made >= step for step in self.at]
+        per_row = input_ids.shape[0] // len(self.at)  # beam search: each prompt row's beams
+        done = [step is not None and made >= step for step in self.at for _ in range(per_row)]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
@@ -106,6 +107,8 @@ CASES = [
     ("padded_prompt_without_mask_llama", "llama", [2, None, 4], None, "pad_no_mask", {}),
     # the whole batch runs to max_length
     ("no_row_finishes", "gpt2", [None, None, None], None, "ones", {}),
+    ("beam_search", "gpt2", [None, None, None], None, "ones", {"num_beams": 2}),
+    ("beam_search_rows_finish_apart", "gpt2", [2, None, 4], None, "ones", {"num_beams": 2}),
 ]
 
 
@@ -131,6 +134,8 @@ class LogParityTest(unittest.TestCase):
                 kwargs["cache_implementation"] = cache
             if extra.get("streamer"):
                 kwargs["streamer"] = Streamer()
+            if extra.get("num_beams"):
+                kwargs["num_beams"] = extra["num_beams"]
             if extra.get("do_sample"):
                 kwargs.update(do_sample=True, top_k=0)
             else:
