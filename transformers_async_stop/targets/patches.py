@@ -108,7 +108,8 @@ TARGETS: tuple[Target, ...] = (
         "warn_if_padding_and_no_attention_mask", "generation:patched_padding_warning",
         params=("input_ids", "attention_mask"),
         why="`pad_token_id in input_ids[:, [-1, 0]]` reads a device tensor each decode step once 5.18+ drops an "
-            "all-ones mask (GPT-2 and others); with the flag it is checked at prefill only",
+            "all-ones mask (GPT-2 and others); with the flag a decode step's check runs on a host copy at the "
+            "next verdict read (padding_check.py)",
     ),
     Target(
         "CacheLayerMixin.reorder_cache", "transformers.cache_utils", "CacheLayerMixin", "reorder_cache",
