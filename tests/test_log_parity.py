@@ -115,7 +115,15 @@ CASES = [
 class LogParityTest(unittest.TestCase):
     @parameterized.expand(CASES)
     def test_logs_and_warnings_match_stock(self, _name, family, stop_at, cache, mask_kind, extra):
-        model = build(family)
+        self._compare(family, stop_at, cache, mask_kind, extra, "cpu")
+
+    @parameterized.expand([case for case in CASES if case[1] == "gpt2"])
+    @unittest.skipUnless(torch.cuda.is_available(), "CUDA: the check's pinned copy and event")
+    def test_logs_and_warnings_match_stock_on_cuda(self, _name, family, stop_at, cache, mask_kind, extra):
+        self._compare(family, stop_at, cache, mask_kind, extra, "cuda")
+
+    def _compare(self, family, stop_at, cache, mask_kind, extra, device):
+        model = build(family, device=device)
         ids = PROMPT.clone()
         mask = torch.ones_like(ids)
         if mask_kind == "left":
@@ -129,7 +137,7 @@ class LogParityTest(unittest.TestCase):
                           stopping_criteria=StoppingCriteriaList([StopRowsAt(stop_at, ids.shape[1])]),
                           logits_processor=LogitsProcessorList([LoggingProcessor()]))
             if mask_kind in ("ones", "left"):
-                kwargs["attention_mask"] = mask
+                kwargs["attention_mask"] = mask.to(device)
             if cache is not None:
                 kwargs["cache_implementation"] = cache
             if extra.get("streamer"):
@@ -142,9 +150,9 @@ class LogParityTest(unittest.TestCase):
                 kwargs["do_sample"] = False
             torch.manual_seed(0)
             if flag:
-                return model.generate(ids, async_stopping_criteria=True, **kwargs)
+                return model.generate(ids.to(device), async_stopping_criteria=True, **kwargs)
             with stock():
-                return model.generate(ids, **kwargs)
+                return model.generate(ids.to(device), **kwargs)
 
         want = observe(lambda: call(False))
         got = observe(lambda: call(True))
