@@ -1,0 +1,131 @@
+"""Holes the red team found in the piecewise-graphed forward, on the CPU under the emulation of CUDA graphs
+(`graph_emulation.emulated()`): each case compares a flag-on call (graphed) with unpatched transformers.
+
+These fail until the piecewise forward is fixed (the lead flips them): each names its hole.
+"""
+
+from __future__ import annotations
+
+import unittest
+
+import torch
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+
+import transformers_async_stop as tas
+from adversarial_helpers import cache_state
+from models import PAD, TRANSFORMERS_VERSION, build, stock
+from transformers_async_stop.graph_emulation import emulated
+
+RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
+
+
+def _ids(seed, shape):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 48, shape, generator=g)
+
+
+def _cache(model):
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+class _RaiseAt(StoppingCriteria):
+    def __init__(self, at):
+        self.at, self.calls = at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise ValueError(f"criterion raised at call {self.at}")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _conversation(model, flag, turns):
+    """Runs `turns` (each: a function (model, cache, previous output, flag) -> output or exception) on one cache;
+    what the caller observes: each call's output or exception, and the cache after it."""
+    cache, seen, out = _cache(model), [], None
+    for turn in turns:
+        try:
+            with torch.no_grad():
+                out = turn(model, cache, out, flag)
+            seen.append(("out", out.clone()))
+        except ValueError as exc:
+            seen.append(("raised", str(exc)))
+        seen.append(("cache", {k: v.clone() if isinstance(v, torch.Tensor) else v
+                               for k, v in cache_state(cache).items()}))
+        if flag:
+            seen.append(("path", tas.last_path().forward))
+    return seen
+
+
+def _compare(test, turns, family="llama"):
+    with stock():
+        ref = _conversation(build(family), False, turns)
+    with emulated():
+        got = _conversation(build(family), True, turns)
+    paths = [value for kind, value in got if kind == "path"]
+    got = [(kind, value) for kind, value in got if kind != "path"]
+    # the emulation engaged: the piecewise forward decided (graphed, or eager for a reason of the step's)
+    test.assertTrue(any(p is not None and "not CUDA" not in p for p in paths), paths)
+    test.assertEqual(len(ref), len(got))
+    for (kind, a), (kind_b, b) in zip(ref, got):
+        test.assertEqual(kind, kind_b)
+        if kind == "cache":
+            test.assertEqual(a.keys(), b.keys())
+            for key in a:
+                same = torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]
+                test.assertTrue(same, (key, paths))
+        elif kind == "out":
+            test.assertTrue(torch.equal(a, b), (a.tolist(), b.tolist(), paths))
+        else:
+            test.assertEqual(a, b)
+
+
+def _kwargs(flag, **kwargs):
+    kwargs.update(do_sample=False, pad_token_id=PAD, eos_token_id=None)
+    if flag:
+        kwargs["async_stopping_criteria"] = True
+    return kwargs
+
+
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
+class MaskShorterThanTheCache(unittest.TestCase):
+    """HOLE A (CUDA usage fuzzer seeds 51, 177, 1339, 1443 on 5.17; reproduced here under the emulation, all four
+    with this one cause): a 2D attention mask shorter than the cache + 1. Stock's `create_causal_mask` then masks the
+    cache's last positions at each decode step (the mask is aligned to the mask's length, not the cache's); the
+    eager flag path does the same, but `piecewise.forward._attention_mask` sees an unpadded 2D mask and gives the
+    attention no mask at all, so the replayed steps attend to every cached position. The mask comes out short where a
+    continued cache holds more positions than the conversation fed: a chunked prefill on a continued cache (stock
+    prefills the whole conversation again on top of the cache), or the conversation fed again after a call that
+    raised mid-call (the cache kept that call's steps)."""
+
+    def test_a_chunked_prefill_on_a_continued_cache(self):
+        # seeds 177, 51 (shrunk): a first call, then the whole conversation with prefill_chunk_size
+        def first(model, cache, _, flag):
+            return model.generate(_ids(1, (1, 2)), past_key_values=cache, **_kwargs(flag, max_new_tokens=1))
+
+        def second(model, cache, out, flag):
+            ids = torch.cat([out, _ids(2, (1, 5))], 1)
+            return model.generate(ids, past_key_values=cache, **_kwargs(flag, max_new_tokens=4, prefill_chunk_size=3))
+
+        _compare(self, [first, second])
+
+    def test_the_conversation_fed_again_after_a_call_that_raised(self):
+        # seeds 1339, 1443 (shrunk): a criterion raises mid-call, the user sends the conversation plus one token
+        prompt = _ids(1, (1, 6))
+
+        def first(model, cache, _, flag):
+            return model.generate(prompt, past_key_values=cache, **_kwargs(
+                flag, max_new_tokens=8, stopping_criteria=StoppingCriteriaList([_RaiseAt(7)])))
+
+        def second(model, cache, _, flag):
+            ids = torch.cat([prompt, _ids(2, (1, 1))], 1)
+            return model.generate(ids, past_key_values=cache, **_kwargs(flag, max_new_tokens=3))
+
+        _compare(self, [first, second])
+
+
+if __name__ == "__main__":
+    unittest.main()
