@@ -1,7 +1,8 @@
 """Which `_sample` calls the dynamic-cache loop takes, and what it runs in them: decided once per call.
 
 The loop is taken where it reproduces stock exactly, and nowhere else: a decoder-only model that keeps transformers'
-own `prepare_inputs_for_generation` and `_update_model_kwargs_for_generation` and is not remote code, a plain
+own `prepare_inputs_for_generation` (or Phi-3's own, read: `_OWN_INPUTS`) and `_update_model_kwargs_for_generation`
+and is not remote code, a plain
 `DynamicCache` (not compileable: stock builds no 4D mask in the input preparation), one new token per step, no
 per-step attentions or hidden states, one device and one process (no `device_map` split, no `synced_gpus` or tensor
 parallelism), no processor that needs keyword arguments (stock raises there: the deferred path does too), and an
@@ -60,7 +61,8 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
                                                       or generation_config.output_hidden_states):
         return None
     kind = type(model)
-    if (kind.prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation
+    if ((kind.prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation
+         and not own_inputs_read(model))
             or kind._update_model_kwargs_for_generation is not GenerationMixin._update_model_kwargs_for_generation):
         return None
     if _is_remote_code(model):
@@ -87,6 +89,40 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
         has_eos=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
         scores=bool(rdig and generation_config.output_scores), logits=bool(rdig and generation_config.output_logits),
     )
+
+
+# causal LMs whose own `prepare_inputs_for_generation` the loop takes: (modeling module, class). The loop then calls
+# it at every step (`inputs.DecodeInputs.build` hands none of the steps to its own input making). Phi-3's drops the
+# cache once the sequence passes `original_max_position_embeddings` (its long/short rope switch): the step after it
+# prefills the whole sequence into a new cache, as stock does (`targets/piecewise_rows.py`, "dynamic decode loop (phi3
+# inputs)")
+_OWN_INPUTS = {"phi3": ("transformers.models.phi3.modeling_phi3", "Phi3ForCausalLM")}
+
+
+def own_inputs_read(model) -> bool:
+    """The model's class keeps the `prepare_inputs_for_generation` of one of `_OWN_INPUTS`, as read."""
+    for family in _OWN_INPUTS:
+        own = _own_prepare(family)
+        if own is not None and type(model).prepare_inputs_for_generation is own:
+            return matches(f"dynamic decode loop ({family} inputs)")
+    return False
+
+
+def own_inputs_drop_length(model) -> int | None:
+    """The sequence length past which the model's own input preparation drops the cache (Phi-3's
+    `original_max_position_embeddings`), or None."""
+    if type(model).prepare_inputs_for_generation is _own_prepare("phi3"):
+        limit = getattr(model.config, "original_max_position_embeddings", None)
+        return limit if isinstance(limit, int) else None
+    return None
+
+
+def _own_prepare(family):
+    import sys
+
+    module_name, class_name = _OWN_INPUTS[family]
+    cls = getattr(sys.modules.get(module_name), class_name, None)
+    return None if cls is None else cls.__dict__.get("prepare_inputs_for_generation")
 
 
 def _is_remote_code(model) -> bool:

@@ -61,7 +61,11 @@ class DecodeInputs:
               model_forward=None) -> tuple[dict, "DecodeInputs | None"]:
         """The first decode step's inputs, from stock's `prepare_inputs_for_generation`, and the `DecodeInputs` that
         advances them (None: stock rebuilds them every step)."""
+        from transformers.generation.utils import GenerationMixin
+
         inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1, **model_kwargs)
+        if type(model).prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation:
+            return inputs, None  # a model's own (`eligibility._OWN_INPUTS`): called at every step, as stock does
         for key, value in inputs.items():
             if key not in _ADVANCED and key != cache_kwarg.name() and _holds_tensor(value):
                 return inputs, None

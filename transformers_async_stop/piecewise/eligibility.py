@@ -4,9 +4,11 @@ A replay runs no Python of the model's forward: every decision the forward makes
 the recording. So the path is taken only where each such decision is one the package has read and knows does not
 change with the length or the step (the sources behind `targets.SHORTCUTS` "piecewise forward (<family>)"):
 
-- one of the families read (Llama, Mistral, Qwen2, Qwen3), exactly their causal LM and base classes, full attention
-  only (no sliding window: its mask and its cache change with the length), SDPA from transformers' own registry;
-- a rotary embedding without per-length state (`dynamic`/`longrope` update their frequencies from the positions);
+- one of the families read (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2), exactly their causal LM and base
+  classes, full attention only (no sliding window: its mask and its cache change with the length), no cross-attention,
+  SDPA from transformers' own registry;
+- a rotary embedding without per-length state (`dynamic`/`longrope` update their frequencies from the positions), or
+  none (GPT-2's learned position table, read in the first piece from the positions buffer);
 - no hook anywhere in the model and no instance-level `forward` (accelerate's wrappers, offloading, user hooks, and
   the output-capturing hooks transformers installs once attentions or hidden states were asked for), not training,
   no gradient and no autocast (their state is read in Python per op);
@@ -15,10 +17,17 @@ change with the length or the step (the sources behind `targets.SHORTCUTS` "piec
   meta (offloaded) tensors;
 - a forward that is the model's own `__call__` (not compiled), and a `DynamicCache` of `DynamicLayer`s.
 Everything else keeps the eager forward, and `last_path().forward` says why.
+
+Not read: Gemma 2 and Gemma 3 ("model family ... not proven"). Their configs alternate sliding-window and
+full-attention layers (the default `layer_types`), whose `DynamicCache` holds `DynamicSlidingWindowLayer`s that the
+dynamic-cache loop leaves to the deferred path (`dynamic_loop/eligibility.py`), so their decode steps never reach this
+forward; and Gemma 2 cannot run SDPA at all (transformers refuses it at construction: its attention logit
+soft-capping). Only a Gemma 3 configured with full attention alone reaches it, and is told "not proven".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -30,12 +39,44 @@ from .. import graph_emulation as emulation
 
 PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"
 
-# base model class -> (family, modeling module, causal LM class)
+# the modeling module's functions a replay skips, watched for rebinding (those a module does not have are left out)
+_WATCHED_GLOBALS = ("apply_rotary_pos_emb", "rotate_half", "create_causal_mask", "ALL_ATTENTION_FUNCTIONS")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family read for the path: where its attention modules and rotary embedding are, and what else of its
+    forward is decided in Python."""
+
+    name: str
+    module: str  # the modeling module
+    causal_lm: str  # the causal LM class (the base model's class is the `FAMILIES` key)
+    layers: str = "layers"  # the base model's attribute holding its decoder layers
+    attention: str = "self_attn"  # each layer's attention module (the one that calls the cache update)
+    rotary: str | None = "rotary_emb"  # the base model's rotary embedding (None: a learned position table)
+    watched: tuple = _WATCHED_GLOBALS
+    # the base forward starts with `warn_if_padding_and_no_attention_mask` (GPT-2): run before each replay
+    checks_padding: bool = False
+
+    def attentions(self, base, config) -> list:
+        return [getattr(layer, self.attention) for layer in getattr(base, self.layers)[: config.num_hidden_layers]]
+
+
+# base model class -> its family
 FAMILIES = {
-    "LlamaModel": ("llama", "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
-    "MistralModel": ("mistral", "transformers.models.mistral.modeling_mistral", "MistralForCausalLM"),
-    "Qwen2Model": ("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
-    "Qwen3Model": ("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
+    "LlamaModel": Family("llama", "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
+    "MistralModel": Family("mistral", "transformers.models.mistral.modeling_mistral", "MistralForCausalLM"),
+    "Qwen2Model": Family("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
+    "Qwen3Model": Family("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
+    # fused qkv_proj / gate_up_proj, a partial rotary (static): pieces like Llama's. Its own input preparation is
+    # called at every step by the dynamic-cache loop (`dynamic_loop/eligibility._OWN_INPUTS`)
+    "Phi3Model": Family("phi3", "transformers.models.phi3.modeling_phi3", "Phi3ForCausalLM",
+                        watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask")),
+    # a learned position table (`wpe`, in piece 0) instead of a rotary embedding, Conv1D projections, a fused c_attn
+    # split into q/k/v; cross-attention (an `EncoderDecoderCache`) steps aside
+    "GPT2Model": Family("gpt2", "transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", layers="h",
+                        attention="attn", rotary=None, watched=("create_causal_mask", "ALL_ATTENTION_FUNCTIONS"),
+                        checks_padding=True),
 }
 # rope types whose frequencies are fixed at init (the `dynamic_rope_update` decorator does nothing for them)
 STATIC_ROPE = frozenset(("default", "linear", "llama3", "yarn"))
@@ -73,8 +114,8 @@ def why_not_model(model, model_forward) -> str | None:
     family = FAMILIES.get(type(base).__name__) if base is not None else None
     if family is None:
         return f"model family {type(model).__name__} not proven"
-    name, module_name, causal_lm = family
-    module = sys.modules.get(module_name)
+    name, causal_lm = family.name, family.causal_lm
+    module = sys.modules.get(family.module)
     if (module is None or type(base) is not getattr(module, type(base).__name__, None)
             or type(model) is not getattr(module, causal_lm, None)):
         return f"{type(model).__name__} is not transformers' own {causal_lm}"
@@ -83,15 +124,17 @@ def why_not_model(model, model_forward) -> str | None:
         return f"attention implementation {getattr(config, '_attn_implementation', None)!r} (only sdpa is proven)"
     if not getattr(config, "is_causal", True):
         return "not a causal model"
+    if getattr(config, "add_cross_attention", False):
+        return "cross-attention layers"
     if getattr(config, "sliding_window", None) is not None and (
             name == "mistral" or getattr(config, "use_sliding_window", True)):
         return "sliding-window attention"
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "layers other than full attention"
-    rotary = getattr(base, "rotary_emb", None)
-    rope = getattr(rotary, "rope_type", None)
-    if rope not in STATIC_ROPE:
-        return f"rope type {rope!r} has per-length state"
+    if family.rotary is not None:
+        rope = getattr(getattr(base, family.rotary, None), "rope_type", None)
+        if rope not in STATIC_ROPE:
+            return f"rope type {rope!r} has per-length state"
     if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
         return "quantized weights"
     if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
@@ -110,7 +153,7 @@ def why_not_model(model, model_forward) -> str | None:
     why = why_observed(model)
     if why is not None:
         return why
-    why = why_rebound(watched(model, module))
+    why = why_rebound(watched(model, module, family))
     if why is not None:
         return why
     if not matches(f"piecewise forward ({name})"):
@@ -125,14 +168,18 @@ def why_not_model(model, model_forward) -> str | None:
 # (a class-level forward wrapper, a patched module function) must send the call to the eager forward. A wrapper made
 # with `functools.wraps` has the original's source (`inspect.getsource` unwraps it), so the digests cannot see it.
 _FIRST_SEEN: dict = {}
-_WATCHED_GLOBALS = ("apply_rotary_pos_emb", "rotate_half", "create_causal_mask", "ALL_ATTENTION_FUNCTIONS")
 
 
-def watched(model, module) -> list:
+def family_of(model) -> Family | None:
+    base = base_of(model)
+    return FAMILIES.get(type(base).__name__) if base is not None else None
+
+
+def watched(model, module, family: Family) -> list:
     """(owner, attribute, the object first seen there) for every class method and module function a replay skips:
     `forward` and `__call__` of each module class of the model, and the modeling module's functions it calls."""
     pairs = [(cls, name) for cls in {type(m) for m in model.modules()} for name in ("forward", "__call__")]
-    pairs += [(module, name) for name in _WATCHED_GLOBALS if hasattr(module, name)]
+    pairs += [(module, name) for name in family.watched if hasattr(module, name)]
     return [(owner, name, _FIRST_SEEN.setdefault((owner, name), getattr(owner, name))) for owner, name in pairs]
 
 

@@ -13,6 +13,8 @@ model's own) where it cannot replay:
   forward at a time);
 - the key of the recording (batch size, dtypes, device, mask kind, `logits_to_keep`, the matmul precision flags a
   captured kernel was chosen under): a new key records once (at most `MAX_KEYS` per model, least recently used out).
+A family whose base forward starts with `warn_if_padding_and_no_attention_mask` (GPT-2: without a mask it checks the
+step's ids for the pad token and warns once) has that check run before each replay, as its forward runs it.
 Recordings are kept per model in a `WeakKeyDictionary` whose values hold no reference to the model: they are freed
 with it.
 """
@@ -126,13 +128,14 @@ class PiecewiseForward:
         self.draft = draft  # an assistant's draft loop: batch 1 only, reported with a "draft " prefix
         self.graphs = graphs_of(model)
         base = eligibility.base_of(model)
-        self.modules = [layer.self_attn for layer in base.layers[: model.config.num_hidden_layers]]
+        self.family = family = eligibility.family_of(model)
+        self.modules = family.attentions(base, model.config)
         every = list(model.modules())
         self.hook_tables = [table for module in every for table in (
             module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
             getattr(module, "_backward_pre_hooks", {}))]
         self.module_dicts = [module.__dict__ for module in every]
-        rebound = eligibility.watched(model, sys.modules[type(base).__module__])
+        rebound = eligibility.watched(model, sys.modules[type(base).__module__], family)
         self.rebound = tuple(map(list, zip(*rebound))) if rebound else ([], [], [])
         self.every = every
         self.device = model.get_input_embeddings().weight.device
@@ -154,6 +157,10 @@ class PiecewiseForward:
         mask, key, why = self._step(inputs)
         if why is not None:
             return self._eager(why, inputs)
+        if self.family.checks_padding and inputs.get("attention_mask") is None:
+            # GPT-2's base forward starts with this check of the step's ids (a log where they hold the pad token):
+            # a replay skips the forward's Python, and the recording's 4D sentinel mask makes it return at once
+            eligibility.base_of(self.model).warn_if_padding_and_no_attention_mask(inputs["input_ids"], None)
         graphs = self.graphs
         if graphs.recordings and graphs.changed():
             graphs.clear()  # weights replaced or moved: every recording of this model is stale

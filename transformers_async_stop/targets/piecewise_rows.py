@@ -73,16 +73,71 @@ _FAMILIES = (  # family, modeling module, then each of its sources (qualified na
         "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.24.0"},
         "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
     }),
+    # Phi-3: Mistral's base forward (the mask function chosen by `sliding_window`: a window steps aside), fused
+    # `qkv_proj` sliced into q/k/v and `gate_up_proj` chunked (fixed shapes), a partial-rotary `apply_rotary_pos_emb`
+    # (the rotary width is the cos table's, fixed at init), dropouts that are identities in eval mode. 5.23's MLP
+    # differs in its annotation only
+    ("phi3", "transformers.models.phi3.modeling_phi3", {
+        "Phi3Attention.forward": {"975f1916d08c": "5.17.0-5.23.0", "56228160fb9f": "5.24.0"},
+        "Phi3DecoderLayer.forward": {"daaa63565aa0": "5.17.0-5.23.0", "95f20d9c7c28": "5.24.0"},
+        "Phi3Model.forward": {"b237e110b64c": "5.17.0-5.22.2", "dc333785d7df": "5.23.0", "0a953917a1d6": "5.24.0"},
+        "Phi3ForCausalLM.forward": {"5938979648ac": "5.17.0-5.20.2", "5ec1fe5f1f52": "5.21.1-5.22.2", "ac1e14a5befb": "5.23.0", "5cb7498725e9": "5.24.0"},
+        "Phi3RotaryEmbedding.forward": {"36aa3216b123": "5.17.0", "05b8d52cfa8f": "5.18.0", "2b71104c384d": "5.19.0-5.23.0", "0197c13cb9f7": "5.24.0"},
+        "Phi3MLP.forward": {"d43226978125": "5.17.0-5.22.2", "82162c293dac": "5.23.0-5.24.0"},
+        "Phi3RMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.24.0"},
+        "apply_rotary_pos_emb": {"0d2d41fdeeda": "5.17.0-5.24.0"},
+        "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
+    }),
+    # GPT-2: no rotary; the learned position table `wpe` is read in piece 0 from the positions buffer; `c_attn` (a
+    # Conv1D: addmm over a view) split into q/k/v; cross-attention only with `add_cross_attention` (steps aside);
+    # `reorder_and_upcast_attn` only under eager attention; a 4D mask skips the reshape of a 2D one and
+    # `warn_if_padding_and_no_attention_mask` returns at once for any mask (a step without one steps aside: the check
+    # reads the ids on the host). 5.23 differs in annotations only
+    ("gpt2", "transformers.models.gpt2.modeling_gpt2", {
+        "GPT2Attention.forward": {"bc1f4c5bcfcf": "5.17.0-5.22.2", "4042d688a365": "5.23.0", "266c93b28b36": "5.24.0"},
+        "GPT2Block.forward": {"c0950432d0d5": "5.17.0-5.22.2", "bdfba8ae99f4": "5.23.0", "1d937ce81633": "5.24.0"},
+        "GPT2Model.forward": {"119f51a6e043": "5.17.0-5.22.2", "4d378054377c": "5.23.0", "044fd7f33a06": "5.24.0"},
+        "GPT2LMHeadModel.forward": {"ad802d07fa1f": "5.17.0-5.20.2", "3b7988a13896": "5.21.1-5.22.2", "871652701669": "5.23.0", "4a2c51c6ad48": "5.24.0"},
+        "GPT2MLP.forward": {"c88c423cabff": "5.17.0-5.22.2", "a875d1914604": "5.23.0-5.24.0"},
+        "transformers.pytorch_utils:Conv1D.forward": {"70e4c291a2dc": "5.17.0-5.24.0"},
+        "transformers.activations:NewGELUActivation.forward": {"23d0bb14245b": "5.17.0-5.24.0"},
+        "transformers.modeling_utils:PreTrainedModel.warn_if_padding_and_no_attention_mask": {"9ffe0ea27d5b": "5.17.0-5.24.0"},
+    }),
 )
+
+
+def _source(module: str, name: str) -> str:
+    return name if ":" in name else f"{module}:{name}"  # a source outside the modeling module is named in full
 
 PIECEWISE_SHORTCUTS = tuple(
     Shortcut(
         f"piecewise forward ({family})",
-        (*_COMMON, *(f"{module}:{name}" for name in sources)),
-        {**_COMMON, **{f"{module}:{name}": digests for name, digests in sources.items()}},
+        (*_COMMON, *(_source(module, name) for name in sources)),
+        {**_COMMON, **{_source(module, name): digests for name, digests in sources.items()}},
         "piecewise", present="5.17-5.24",
         why="the eager decode forward of a dynamic cache is hundreds of launches behind Python: its shape-fixed "
             "pieces are replayed from CUDA graphs of the same kernels, the cache append and attention run eagerly",
     )
     for family, module, sources in _FAMILIES
+)
+
+# Phi-3's own `prepare_inputs_for_generation`, which the dynamic-cache loop (whose decode forward this path replaces)
+# calls at every step instead of making the inputs itself (`dynamic_loop/eligibility._OWN_INPUTS`). Read for what
+# the loop relies on: it returns the generic preparation's inputs, except at the step where the sequence first
+# reaches `original_max_position_embeddings` + 1 with a cache no longer than that: there it drops the cache (the
+# generic preparation then gives the whole sequence from 5.20 on, the last token alone before) and the forward fills a
+# new cache, which `_update_model_kwargs_for_generation` takes from the outputs, as in stock. 5.20 adds
+# `kwargs["next_sequence_length"] = None`; 5.24 renames the cache `cache`.
+# The preparation is the same back to 4.x: the loop's `_sample` (the dynamic decode loop's digests) pins the releases.
+_PHI3_INPUTS = "transformers.models.phi3.modeling_phi3:Phi3ForCausalLM.prepare_inputs_for_generation"
+_SAMPLE = "transformers.generation.utils:GenerationMixin._sample"
+PIECEWISE_SHORTCUTS += (
+    Shortcut(
+        "dynamic decode loop (phi3 inputs)", (_SAMPLE, _PHI3_INPUTS),
+        {_SAMPLE: {"61160ef8c121": "5.17.0-5.23.0", "9e153ccbcefb": "5.24.0"},
+         _PHI3_INPUTS: {"28dba0791656": "5.17.0-5.19.0", "ca5a947f41e7": "5.20.2-5.23.0", "0fc3c62aa7ef": "5.24.0"}},
+        "dynamic_loop.eligibility.own_inputs_read", present="5.17-5.24",
+        why="Phi-3 prepares its own inputs (its rope switch may drop the cache): the dynamic-cache loop, and so the "
+            "piecewise forward, take it with that preparation called at every step",
+    ),
 )

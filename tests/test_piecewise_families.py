@@ -1,0 +1,213 @@
+"""The piecewise-graphed decode forward (`piecewise/`) for the families beyond Llama, Mistral, Qwen2 and Qwen3:
+Phi-3, GPT-2 (and where Gemma 2 / Gemma 3 stand).
+
+Each case runs on CUDA (skipped without it) and on the CPU with the graphs emulated (`piecewise/emulation.py`: the
+recorded ATen ops replayed without the model's Python, so what a recording bakes in shows as on CUDA): bit-exact
+against unpatched transformers (sequences, scores, logits, the returned cache, contiguous, the RNG state after the
+call), fp32 and bf16, batch 1 and a left-padded batch, greedy and sampling, a returned cache used again; and
+`last_path().forward` says the forward was graphed, or why it stepped aside.
+
+CPU only: each family's reasons to step aside (a rope with per-length state, a sliding window, cross-attention...),
+and Phi-3's own input preparation in the dynamic-cache loop (its cache dropped at `original_max_position_embeddings`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import unittest
+from unittest import mock
+
+import torch
+from parameterized import parameterized
+from transformers.utils import logging as hf_logging
+
+import transformers_async_stop as tas
+from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
+from transformers_async_stop import cache_kwarg
+from transformers_async_stop.piecewise import eligibility
+from transformers_async_stop.piecewise.emulation import emulated
+
+ON = {eligibility.PIECEWISE_ENV: "1"}
+RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
+CUDA = torch.cuda.is_available() and RELEASES
+GRAPHED = ("phi3", "gpt2")  # the families whose decode forward is replayed
+# the loop grows no 4D mask for these (`dynamic_loop/wide_mask.py` reads Llama, Mistral and Qwen2): with padding the
+# model builds its 4D mask from the 2D one inside every forward, which a replay would skip
+PADDED_EAGER = "eager: a padded 2D mask (the model builds its 4D mask this step)"
+
+
+def _generate(model, ids, mask, flag, seed=7, **kwargs):
+    torch.manual_seed(seed)
+    extra = {} if flag is None else {"async_stopping_criteria": flag}
+    out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, return_dict_in_generate=True, output_scores=True,
+                         output_logits=True, **extra, **kwargs)
+    return out, torch.rand(4, device=ids.device)
+
+
+def _check_against_stock(test, model, ids, mask, **kwargs):
+    with stock():
+        ref, ref_after = _generate(model, ids, mask, None, **kwargs)
+    out, after = _generate(model, ids, mask, True, **kwargs)
+    assert_same(test, ref, out)
+    test.assertTrue(torch.equal(ref_after, after), "RNG state after generate() differs")
+    for layer in cache_kwarg.of_output(out).layers:
+        test.assertTrue(layer.keys.is_contiguous() and layer.values.is_contiguous())
+    return out
+
+
+def _why(model):
+    with torch.no_grad():
+        return eligibility.why_not_model(model, model.__call__)
+
+
+class _FamilyCases:
+    """Each case on a device: CUDA, and the CPU with the graphs emulated."""
+
+    DEVICE = "cuda"
+
+    @parameterized.expand([
+        (f"{family}_{dtype_name}_{'padded' if padded else 'b1'}_{'sample' if sample else 'greedy'}",
+         family, dtype, padded, sample)
+        for family in GRAPHED
+        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+        for padded in (False, True)
+        for sample in (False, True)
+    ])
+    def test_the_graphed_forward_equals_stock(self, _, family, dtype, padded, sample):
+        model = build(family, device=self.DEVICE, dtype=dtype)
+        ids, mask = prompt(batch=3 if padded else 1, left_pad=padded, device=self.DEVICE)
+        _check_against_stock(self, model, ids, mask, max_new_tokens=12, do_sample=sample, eos_token_id=None)
+        self.assertEqual(tas.last_path().describe(), "deferred, dynamic loop")
+        if padded:
+            self.assertEqual(tas.last_path().forward, PADDED_EAGER)
+        else:
+            self.assertTrue(tas.last_path().forward.startswith("graphed (3 pieces): 11 decode steps"),
+                            tas.last_path().forward)
+
+    @parameterized.expand([(family,) for family in GRAPHED])
+    def test_a_returned_cache_used_again_equals_stock(self, family):
+        model = build(family, device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
+        kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=PAD,
+                      return_dict_in_generate=True)
+        with stock():
+            first = model.generate(ids, attention_mask=mask, **kwargs)
+            ids2 = torch.cat([first.sequences, ids[:, :2]], dim=-1)
+            ref = model.generate(ids2, attention_mask=torch.ones_like(ids2),
+                                 **{cache_kwarg.name(): cache_kwarg.of_output(first)}, **kwargs)
+        on1 = model.generate(ids, attention_mask=mask, async_stopping_criteria=True, **kwargs)
+        self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
+        on = model.generate(ids2, attention_mask=torch.ones_like(ids2),
+                            **{cache_kwarg.name(): cache_kwarg.of_output(on1)}, async_stopping_criteria=True, **kwargs)
+        assert_same(self, ref, on)
+        self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
+
+    @parameterized.expand([(family,) for family in GRAPHED])
+    def test_a_stop_mid_call_equals_stock(self, family):
+        # rows stop at different steps (EOS), then all: the deferred step's forward (a replay) is undone
+        model = build(family, device=self.DEVICE)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
+        with stock():
+            free = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD,
+                                  eos_token_id=None)
+        generated = free[0, ids.shape[1]:].tolist()
+        eos = next(t for k, t in enumerate(generated[:8]) if k >= 1 and t not in generated[:k])
+        out = _check_against_stock(self, model, ids, mask, max_new_tokens=10, do_sample=False, eos_token_id=eos)
+        self.assertLess(out.sequences.shape[1], ids.shape[1] + 10)
+        self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
+
+    def test_phi3_past_its_rope_switch_equals_stock(self):
+        # Phi-3's own input preparation drops the cache once the sequence passes `original_max_position_embeddings`:
+        # that step prefills the whole sequence (eager), the later ones replay again; a stop whose deferred step
+        # would be that prefill reads its verdict at once (an undo cannot give the old cache back)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
+        limit = ids.shape[1] + 2
+        model = build("phi3", device=self.DEVICE, original_max_position_embeddings=limit)
+        with stock():
+            free = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD,
+                                  eos_token_id=None)
+        _check_against_stock(self, model, ids, mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
+        if TRANSFORMERS_VERSION >= (5, 20):
+            self.assertEqual(tas.last_path().forward, "graphed (3 pieces): 8 decode steps; 1 eager: not a one-token "
+                                                      "decode step")
+        else:  # 5.17-5.19 feed the last token alone with no cache from there on (stock's own): every step is eager
+            self.assertRegex(tas.last_path().forward, r"^graphed \(3 pieces\): 2 decode steps; \d+ eager: a NoneType$")
+        eos = free[0, limit].item()  # the token whose step ends where the next forward would drop the cache
+        self.assertNotIn(eos, free[0, ids.shape[1]:limit].tolist())
+        out = _check_against_stock(self, model, ids, mask, max_new_tokens=10, do_sample=False, eos_token_id=eos)
+        self.assertEqual(out.sequences.shape[1], limit + 1)
+
+    def test_gpt2_warns_of_padding_as_stock_does(self):
+        # stock drops an all-ones mask (5.18+), and GPT-2's forward then checks each step's ids for the pad token and
+        # warns once: a replay skips the forward's Python, so the piecewise forward runs that check before it. Row 0
+        # finishes first: the later steps feed it the pad token
+        model = build("gpt2", device=self.DEVICE)
+        ids, mask = prompt(batch=2, device=self.DEVICE)
+        with stock():
+            free = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD,
+                                  eos_token_id=None)
+        rows = free[:, ids.shape[1]:].tolist()
+        eos = next(t for k, t in enumerate(rows[0]) if k >= 2 and t not in rows[0][:k] and t not in rows[1])
+        logs = []
+        for flag in (None, True):
+            hf_logging.warning_once.cache_clear()
+            with self.assertLogs("transformers", level="WARNING") as seen, \
+                    (stock() if flag is None else contextlib.nullcontext()):
+                hf_logging.get_logger("transformers").warning("start")
+                out, _ = _generate(model, ids, mask, flag, max_new_tokens=8, do_sample=False, eos_token_id=eos)
+            logs.append([line for line in seen.output if "attention_mask" in line])
+            if flag is None:
+                ref = out
+        assert_same(self, ref, out)
+        self.assertEqual(len(logs[0]), 1 if TRANSFORMERS_VERSION >= (5, 18) else 0)  # 5.17 keeps the mask
+        self.assertEqual(logs[0], logs[1])
+        self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
+
+
+@unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.24")
+@mock.patch.dict(os.environ, ON)
+class FamiliesOnCuda(_FamilyCases, unittest.TestCase):
+    DEVICE = "cuda"
+
+
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
+@mock.patch.dict(os.environ, ON)
+class FamiliesEmulatedOnCpu(_FamilyCases, unittest.TestCase):
+    """The same cases on the CPU, each CUDA graph emulated by its piece's recorded ATen ops."""
+
+    DEVICE = "cpu"
+
+    def setUp(self):
+        self.enterContext(emulated())
+
+
+@unittest.skipUnless(RELEASES, "the piecewise forward's releases (5.17-5.24)")
+@mock.patch.dict(os.environ, ON)
+class FamiliesStepAside(unittest.TestCase):
+    """What each family is refused for (on the CPU every reason but the device's is told)."""
+
+    @parameterized.expand([(family,) for family in GRAPHED])
+    def test_a_read_family_on_the_cpu_is_refused_only_for_the_device(self, family):
+        self.assertEqual(_why(build(family)), "not CUDA (cpu)")
+
+    def test_phi3_with_a_longrope_steps_aside(self):
+        model = build("phi3")
+        model.model.rotary_emb.rope_type = "longrope"  # its short/long factors switch with the length
+        self.assertEqual(_why(model), "rope type 'longrope' has per-length state")
+
+    def test_phi3_with_a_sliding_window_steps_aside(self):
+        self.assertEqual(_why(build("phi3", sliding_window=4)), "sliding-window attention")
+
+    def test_gpt2_with_cross_attention_steps_aside(self):
+        self.assertEqual(_why(build("gpt2", add_cross_attention=True)), "cross-attention layers")
+
+    def test_a_family_read_only_by_its_base_class_steps_aside(self):
+        from transformers import GPT2DoubleHeadsModel
+
+        model = GPT2DoubleHeadsModel(build("gpt2").config).eval()
+        self.assertEqual(_why(model), "GPT2DoubleHeadsModel is not transformers' own GPT2LMHeadModel")
+
+
+if __name__ == "__main__":
+    unittest.main()
