@@ -6,10 +6,13 @@ These fail until the piecewise forward is fixed (the lead flips them): each name
 
 from __future__ import annotations
 
+import contextlib
 import unittest
 
 import torch
-from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+from torch.overrides import TorchFunctionMode
+from transformers import AttentionInterface, DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import transformers_async_stop as tas
 from adversarial_helpers import cache_state
@@ -17,6 +20,7 @@ from models import PAD, TRANSFORMERS_VERSION, build, stock
 from transformers_async_stop.graph_emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
+REQUIRE_PATH = True  # (a check of the cases themselves turns it off with the emulation: the eager flag run = stock)
 
 
 def _ids(seed, shape):
@@ -51,8 +55,8 @@ def _conversation(model, flag, turns):
             with torch.no_grad():
                 out = turn(model, cache, out, flag)
             seen.append(("out", out.clone()))
-        except ValueError as exc:
-            seen.append(("raised", str(exc)))
+        except (ValueError, KeyboardInterrupt) as exc:
+            seen.append(("raised", f"{type(exc).__name__}: {exc}"))
         seen.append(("cache", {k: v.clone() if isinstance(v, torch.Tensor) else v
                                for k, v in cache_state(cache).items()}))
         if flag:
@@ -60,15 +64,17 @@ def _conversation(model, flag, turns):
     return seen
 
 
-def _compare(test, turns, family="llama"):
-    with stock():
+def _compare(test, turns, family="llama", each_run=contextlib.nullcontext):
+    """`each_run`: a context around each run (stock's, then the flag's)."""
+    with stock(), each_run():
         ref = _conversation(build(family), False, turns)
-    with emulated():
+    with emulated(), each_run():
         got = _conversation(build(family), True, turns)
     paths = [value for kind, value in got if kind == "path"]
     got = [(kind, value) for kind, value in got if kind != "path"]
     # the emulation engaged: the piecewise forward decided (graphed, or eager for a reason of the step's)
-    test.assertTrue(any(p is not None and "not CUDA" not in p for p in paths), paths)
+    if REQUIRE_PATH:
+        test.assertTrue(any(p is not None and "not CUDA" not in p for p in paths), paths)
     test.assertEqual(len(ref), len(got))
     for (kind, a), (kind_b, b) in zip(ref, got):
         test.assertEqual(kind, kind_b)
@@ -125,6 +131,112 @@ class MaskShorterThanTheCache(unittest.TestCase):
             return model.generate(ids, past_key_values=cache, **_kwargs(flag, max_new_tokens=3))
 
         _compare(self, [first, second])
+
+
+
+@contextlib.contextmanager
+def _sdpa_raising_at(call, exc):
+    """transformers' "sdpa" attention re-registered (`AttentionInterface.register`, the public way) as one that raises
+    `exc` at its `call`-th call: with a 2-layer model, calls 1-2 are the prefill's, 3-4 the first decode step's (the
+    step the piecewise forward records), 5 onwards replays'."""
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    had = "sdpa" in AttentionInterface._global_mapping
+    calls = [0]
+
+    def attention(module, query, key, value, mask, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise exc(f"attention raised at call {call}")
+        return real(module, query, key, value, mask, **kwargs)
+
+    AttentionInterface.register("sdpa", attention)
+    try:
+        yield
+    finally:
+        if had:
+            AttentionInterface.register("sdpa", real)
+        else:
+            AttentionInterface._global_mapping.pop("sdpa", None)
+
+
+def _then_again(model, cache, _, flag):
+    ids = torch.cat([_ids(1, (1, 5)), _ids(7, (1, 2))], 1)
+    return model.generate(ids, past_key_values=cache, **_kwargs(flag, max_new_tokens=4))
+
+
+def _first_call(model, cache, _, flag):
+    return model.generate(_ids(1, (1, 5)), past_key_values=cache, **_kwargs(flag, max_new_tokens=6))
+
+
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
+class ExceptionInsideTheRecordingForward(unittest.TestCase):
+    """HOLE D: an exception the model's forward raises while the piecewise forward records it (here from the
+    attention function a user registered for "sdpa"; on a GPU also an out-of-memory error, say) is taken for a
+    refused capture: `PiecewiseForward._record` catches every Exception, marks the key failed and runs the step again
+    eagerly, so generate() returns where stock raises (and the user's function ran twice for that step). A
+    BaseException (KeyboardInterrupt) is re-raised, but `graphs.record` first restores the cache to before the step,
+    where stock's cache keeps the layers this step's forward had updated."""
+
+    def test_an_exception_raised_by_the_attention_while_recording_reaches_the_caller(self):
+        for call in (3, 4):
+            with self.subTest(call=call):
+                _compare(self, [_first_call, _then_again], each_run=lambda: _sdpa_raising_at(call, ValueError))
+
+    def test_a_keyboard_interrupt_while_recording_leaves_the_cache_as_stock_does(self):
+        for call in (3, 4):
+            with self.subTest(call=call):
+                _compare(self, [_first_call, _then_again], each_run=lambda: _sdpa_raising_at(call, KeyboardInterrupt))
+
+
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
+class PythonTheReplaySkips(unittest.TestCase):
+    """HOLE B: a torch function the model's modules call from Python, rebound by the user between two calls
+    (`torch.nn.functional.silu`, which `nn.SiLU.forward`, Llama's MLP activation, looks up per call): stock's next
+    call runs the new one; the replays of the recording made before run the old kernels. (`eligibility.watched`
+    covers the modeling module's functions and the module classes' forwards, not the torch functions they call.)
+
+    HOLE C: a Python observer active around generate(), a `TorchFunctionMode` (a counting or logging mode, as
+    profilers and debuggers install): stock's every decode step calls it; a replay none (CUDA: a
+    `TorchDispatchMode` sees no replayed op either; the emulation dispatches its replays, so only the CUDA case shows
+    that one). The path does not step aside for an active mode as it does for a hook."""
+
+    def test_a_torch_function_rebound_between_calls_is_used_by_the_next_call(self):
+        real = torch.nn.functional.silu
+
+        def doubled(x, inplace=False):
+            return real(x) * 2.0
+
+        def first(model, cache, _, flag):
+            return model.generate(_ids(1, (1, 5)), past_key_values=cache, **_kwargs(flag, max_new_tokens=5))
+
+        def second(model, cache, out, flag):
+            torch.nn.functional.silu = doubled
+            try:
+                ids = torch.cat([out, _ids(7, (1, 2))], 1)
+                return model.generate(ids, past_key_values=cache, **_kwargs(flag, max_new_tokens=5))
+            finally:
+                torch.nn.functional.silu = real
+
+        _compare(self, [first, second])
+
+    def test_a_function_mode_active_around_generate_sees_every_decode_step(self):
+        class CountLinear(TorchFunctionMode):
+            def __init__(self):
+                super().__init__()
+                self.calls = 0
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.nn.functional.linear:
+                    self.calls += 1
+                return func(*args, **(kwargs or {}))
+
+        counts = []
+        for flag in (False, True):
+            model, mode = build("llama"), CountLinear()
+            with (emulated() if flag else stock()), mode, torch.no_grad():
+                model.generate(_ids(1, (1, 5)), **_kwargs(flag, max_new_tokens=6))
+            counts.append(mode.calls)
+        self.assertEqual(counts[0], counts[1], "F.linear calls seen by the mode: stock, flag")
 
 
 if __name__ == "__main__":
