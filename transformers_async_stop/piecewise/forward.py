@@ -32,7 +32,7 @@ import torch
 
 from .. import cache_kwarg, concurrency, masking
 from . import eligibility
-from .graphs import NotRecordable, record
+from .graphs import NotRecordable, capture_failure, record
 
 MAX_KEYS = 4  # recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
 _STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -186,7 +186,10 @@ class PiecewiseForward:
         except NotRecordable as error:
             graphs.failed[key] = f"not recordable: {error}"
             return self._eager(graphs.failed[key], inputs)
-        except Exception as error:  # a capture the device refused (a host read inside the forward, say)
+        except Exception as error:
+            if not capture_failure(error):
+                raise  # the model's or the user's exception: stock's forward raises it here too
+            # a capture the device refused (a host read inside the forward, say)
             graphs.failed[key] = f"capture failed ({type(error).__name__}: {error})"
             return self._eager(graphs.failed[key], inputs)
         if made is None:
@@ -295,8 +298,9 @@ def _attention_mask(mask, batch: int, cache):
     or (None, why the step runs eagerly).
 
     - a 4D mask (the loop's grown mask, `dynamic_loop/wide_mask.py`) is returned as it is;
-    - no mask, or a 2D mask of ones (the call's host summary says the prompt has no padding and no zero column was
-      added), gives None on SDPA's decode step (`_ignore_causal_mask_sdpa`: no padding and one query);
+    - no mask, or a 2D mask of ones as long as the cache and this token (the call's host summary says the prompt has
+      no padding and no zero column was added), gives None on SDPA's decode step (`_ignore_causal_mask_sdpa`: no
+      padding and one query);
     - anything else (a padded 2D mask: stock builds the 4D mask inside the forward) is left to the eager forward."""
     if mask is None:
         return None, None
@@ -308,6 +312,11 @@ def _attention_mask(mask, batch: int, cache):
             return mask, None
         return None, "a 4D mask other than the decode step's"
     if mask.dim() == 2:
+        if mask.shape[-1] != cache.get_seq_length() + 1:
+            # shorter than the cache + this token (a chunked prefill or a conversation fed again on a continued
+            # cache): stock's mask then hides the cache's last positions, SDPA's unmasked decode step would not (CUDA
+            # usage fuzzer seeds 51, 177, 1339, 1443 on 5.17; tests/test_piecewise_redteam.py, hole A)
+            return None, "a 2D mask whose length is not the cache's + 1"
         tag = masking._tag_of(mask)
         if tag is not None and not tag[0].padded and tag[1] == mask.shape[-1]:
             return None, None

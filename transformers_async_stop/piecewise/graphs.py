@@ -229,11 +229,14 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
                     raise NotRecordable("the forward did not run every layer's attention once")
                 _check_outputs(outputs, cache)
                 recorder.end()
-        except BaseException:
+        except BaseException as error:
             if recorder.graph is not None:
                 backend.heal(recorder.graph, stream)
             main.wait_stream(stream)
-            recorder.restore_cache()
+            if capture_failure(error):
+                recorder.restore_cache()  # the step runs again eagerly (`forward.PiecewiseForward._record`)
+            # else the model's or the user's own exception (or a KeyboardInterrupt): it reaches the caller, with
+            # the cache as stock's forward leaves it (the layers updated before the raise keep their update)
             raise
         finally:
             del cache.update
@@ -243,6 +246,20 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     recording.pool = recorder.pool
     recording.capture_seconds = time.perf_counter() - started
     return recording, outputs
+
+
+def capture_failure(error: BaseException) -> bool:
+    """Whether `error` is the recording's own failure: the forward did something a graph cannot hold (a host read
+    or a data-dependent shape invalidates a CUDA capture: "operation not permitted when stream is capturing", and
+    the emulation says "not permitted while capturing"), the capture ran out of its pool's memory, or the recording
+    refused the forward (`NotRecordable`). The step then runs again eagerly, as stock runs it. Any other exception is
+    one the model's or the user's code raised while it ran: stock raises it too, at this very point, so it is
+    raised, not retried (a retry would run that code twice and could return where stock raises)."""
+    if isinstance(error, NotRecordable):
+        return True
+    if isinstance(error, torch.OutOfMemoryError):
+        return True  # the eager retry allocates as stock does, and raises there if stock would
+    return isinstance(error, RuntimeError) and "captur" in str(error).lower()
 
 
 def _check_outputs(outputs, cache) -> None:
