@@ -1,5 +1,5 @@
 """The piecewise-graphed decode forward (`piecewise/`) for the families beyond Llama, Mistral, Qwen2 and Qwen3:
-Phi-3, GPT-2 (and where Gemma 2 / Gemma 3 stand).
+Phi-3, GPT-2 and Gemma 3 with full-attention layers (and where Gemma 2 and sliding-window Gemma 3 stand).
 
 Each case runs on CUDA (skipped without it) and on the CPU with the graphs emulated (`piecewise/emulation.py`: the
 recorded ATen ops replayed without the model's Python, so what a recording bakes in shows as on CUDA): bit-exact
@@ -23,7 +23,7 @@ from parameterized import parameterized
 from transformers.utils import logging as hf_logging
 
 import transformers_async_stop as tas
-from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
+from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
 from transformers_async_stop import cache_kwarg
 from transformers_async_stop.piecewise import eligibility
 from transformers_async_stop.piecewise.emulation import emulated
@@ -31,10 +31,27 @@ from transformers_async_stop.piecewise.emulation import emulated
 ON = {eligibility.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
 CUDA = torch.cuda.is_available() and RELEASES
-GRAPHED = ("phi3", "gpt2")  # the families whose decode forward is replayed
-# the loop grows no 4D mask for these (`dynamic_loop/wide_mask.py` reads Llama, Mistral and Qwen2): with padding the
+GRAPHED = ("phi3", "gpt2", "gemma3")  # the families whose decode forward is replayed (Gemma 3: full attention only)
+# the loop grows no 4D mask for them (`dynamic_loop/wide_mask.py` reads Llama, Mistral and Qwen2): with padding the
 # model builds its 4D mask from the 2D one inside every forward, which a replay would skip
 PADDED_EAGER = "eager: a padded 2D mask (the model builds its 4D mask this step)"
+
+
+def _build(family, device="cpu", dtype=torch.float32, **overrides):
+    """`models.build`, and Gemma 3 (text) with full-attention layers unless `layer_types` says otherwise."""
+    if family != "gemma3":
+        return build(family, device=device, dtype=dtype, **overrides)
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    kwargs = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, max_position_embeddings=128, vocab_size=VOCAB, pad_token_id=PAD,
+                  bos_token_id=1, eos_token_id=2, initializer_range=0.5, sliding_window=4,
+                  layer_types=["full_attention", "full_attention"])
+    kwargs.update(overrides)
+    config = Gemma3TextConfig(**kwargs)
+    config._attn_implementation = "sdpa"
+    return Gemma3ForCausalLM(config).to(device=device, dtype=dtype).eval()
 
 
 def _generate(model, ids, mask, flag, seed=7, **kwargs):
@@ -75,7 +92,7 @@ class _FamilyCases:
         for sample in (False, True)
     ])
     def test_the_graphed_forward_equals_stock(self, _, family, dtype, padded, sample):
-        model = build(family, device=self.DEVICE, dtype=dtype)
+        model = _build(family, device=self.DEVICE, dtype=dtype)
         ids, mask = prompt(batch=3 if padded else 1, left_pad=padded, device=self.DEVICE)
         _check_against_stock(self, model, ids, mask, max_new_tokens=12, do_sample=sample, eos_token_id=None)
         self.assertEqual(tas.last_path().describe(), "deferred, dynamic loop")
@@ -87,7 +104,7 @@ class _FamilyCases:
 
     @parameterized.expand([(family,) for family in GRAPHED])
     def test_a_returned_cache_used_again_equals_stock(self, family):
-        model = build(family, device=self.DEVICE)
+        model = _build(family, device=self.DEVICE)
         ids, mask = prompt(batch=1, device=self.DEVICE)
         kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=PAD,
                       return_dict_in_generate=True)
@@ -105,15 +122,14 @@ class _FamilyCases:
 
     @parameterized.expand([(family,) for family in GRAPHED])
     def test_a_stop_mid_call_equals_stock(self, family):
-        # rows stop at different steps (EOS), then all: the deferred step's forward (a replay) is undone
-        model = build(family, device=self.DEVICE)
+        # the stop is read one step late: the deferred step's forward (a replay) is undone
+        model = _build(family, device=self.DEVICE)
         ids, mask = prompt(batch=1, device=self.DEVICE)
-        with stock():
-            free = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=PAD,
-                                  eos_token_id=None)
-        generated = free[0, ids.shape[1]:].tolist()
+        with stock():  # sampled with the seed `_generate` sets: the same draws up to the stop
+            free, _ = _generate(model, ids, mask, None, max_new_tokens=10, do_sample=True, eos_token_id=None)
+        generated = free.sequences[0, ids.shape[1]:].tolist()
         eos = next(t for k, t in enumerate(generated[:8]) if k >= 1 and t not in generated[:k])
-        out = _check_against_stock(self, model, ids, mask, max_new_tokens=10, do_sample=False, eos_token_id=eos)
+        out = _check_against_stock(self, model, ids, mask, max_new_tokens=10, do_sample=True, eos_token_id=eos)
         self.assertLess(out.sequences.shape[1], ids.shape[1] + 10)
         self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
 
@@ -137,6 +153,12 @@ class _FamilyCases:
         self.assertNotIn(eos, free[0, ids.shape[1]:limit].tolist())
         out = _check_against_stock(self, model, ids, mask, max_new_tokens=10, do_sample=False, eos_token_id=eos)
         self.assertEqual(out.sequences.shape[1], limit + 1)
+
+    def test_gemma3_with_final_logit_softcapping_equals_stock(self):
+        model = _build("gemma3", device=self.DEVICE, final_logit_softcapping=3.0)
+        ids, mask = prompt(batch=1, device=self.DEVICE)
+        _check_against_stock(self, model, ids, mask, max_new_tokens=8, do_sample=True, eos_token_id=None)
+        self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
 
     def test_gpt2_warns_of_padding_as_stock_does(self):
         # stock drops an all-ones mask (5.18+), and GPT-2's forward then checks each step's ids for the pad token and
@@ -189,7 +211,7 @@ class FamiliesStepAside(unittest.TestCase):
 
     @parameterized.expand([(family,) for family in GRAPHED])
     def test_a_read_family_on_the_cpu_is_refused_only_for_the_device(self, family):
-        self.assertEqual(_why(build(family)), "not CUDA (cpu)")
+        self.assertEqual(_why(_build(family)), "not CUDA (cpu)")
 
     def test_phi3_with_a_longrope_steps_aside(self):
         model = build("phi3")
@@ -201,6 +223,39 @@ class FamiliesStepAside(unittest.TestCase):
 
     def test_gpt2_with_cross_attention_steps_aside(self):
         self.assertEqual(_why(build("gpt2", add_cross_attention=True)), "cross-attention layers")
+
+    def test_gemma3_with_sliding_layers_steps_aside(self):
+        self.assertEqual(_why(_build("gemma3", layer_types=None)), "layers other than full attention")
+
+    def test_gemma3_with_sliding_layers_keeps_the_deferred_path_without_the_dynamic_loop(self):
+        # its cache holds `DynamicSlidingWindowLayer`s: the dynamic-cache loop, whose decode forward this is, is not
+        # taken (`dynamic_loop/eligibility.py`), so no forward is reported
+        model = _build("gemma3", layer_types=None)
+        ids, mask = prompt(batch=1)
+        with emulated():
+            _check_against_stock(self, model, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        self.assertEqual((tas.last_path().describe(), tas.last_path().forward), ("deferred", None))
+
+    def test_gemma3_with_attention_softcapping_steps_aside(self):
+        self.assertEqual(_why(_build("gemma3", attn_logit_softcapping=50.0)),
+                         "attention logit soft-capping (SDPA refuses it)")
+
+    def test_gemma3_with_bidirectional_attention_steps_aside(self):
+        self.assertEqual(_why(_build("gemma3", use_bidirectional_attention=True)), "bidirectional attention")
+
+    def test_gemma3_with_a_dynamic_rope_steps_aside(self):
+        model = _build("gemma3")
+        model.model.rotary_emb.rope_type = {"full_attention": "dynamic"}
+        self.assertEqual(_why(model), "rope type 'dynamic' has per-length state")
+
+    def test_gemma2_is_not_read(self):
+        # transformers refuses SDPA for it (attention logit soft-capping), and its layers alternate sliding windows
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        config = Gemma2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=8, vocab_size=VOCAB, pad_token_id=PAD)
+        config._attn_implementation = "eager"
+        self.assertEqual(_why(Gemma2ForCausalLM(config).eval()), "model family Gemma2ForCausalLM not proven")
 
     def test_a_family_read_only_by_its_base_class_steps_aside(self):
         from transformers import GPT2DoubleHeadsModel

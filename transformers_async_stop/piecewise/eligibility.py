@@ -4,9 +4,9 @@ A replay runs no Python of the model's forward: every decision the forward makes
 the recording. So the path is taken only where each such decision is one the package has read and knows does not
 change with the length or the step (the sources behind `targets.SHORTCUTS` "piecewise forward (<family>)"):
 
-- one of the families read (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2), exactly their causal LM and base
-  classes, full attention only (no sliding window: its mask and its cache change with the length), no cross-attention,
-  SDPA from transformers' own registry;
+- one of the families read (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2, Gemma 3 text), exactly their
+  causal LM and base classes, full attention only (no sliding window: its mask and its cache change with the length),
+  no cross-attention, no bidirectional attention, no attention logit soft-capping, SDPA from transformers' own registry;
 - a rotary embedding without per-length state (`dynamic`/`longrope` update their frequencies from the positions), or
   none (GPT-2's learned position table, read in the first piece from the positions buffer);
 - no hook anywhere in the model and no instance-level `forward` (accelerate's wrappers, offloading, user hooks, and
@@ -18,11 +18,11 @@ change with the length or the step (the sources behind `targets.SHORTCUTS` "piec
 - a forward that is the model's own `__call__` (not compiled), and a `DynamicCache` of `DynamicLayer`s.
 Everything else keeps the eager forward, and `last_path().forward` says why.
 
-Not read: Gemma 2 and Gemma 3 ("model family ... not proven"). Their configs alternate sliding-window and
-full-attention layers (the default `layer_types`), whose `DynamicCache` holds `DynamicSlidingWindowLayer`s that the
-dynamic-cache loop leaves to the deferred path (`dynamic_loop/eligibility.py`), so their decode steps never reach this
-forward; and Gemma 2 cannot run SDPA at all (transformers refuses it at construction: its attention logit
-soft-capping). Only a Gemma 3 configured with full attention alone reaches it, and is told "not proven".
+Gemma 3 in its released configs, and Gemma 2, never get here: their layers alternate sliding-window and full attention
+(the default `layer_types`), and a `DynamicCache` of `DynamicSlidingWindowLayer`s is left by the dynamic-cache loop to
+the deferred path (`dynamic_loop/eligibility.py`). Only a Gemma 3 configured with full-attention layers alone reaches
+this forward (graphed; with sliding layers it would step aside, "layers other than full attention"). Gemma 2 is not
+read ("model family ... not proven"): transformers refuses SDPA for it at construction (its soft-capping).
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class Family:
     watched: tuple = _WATCHED_GLOBALS
     # the base forward starts with `warn_if_padding_and_no_attention_mask` (GPT-2): run before each replay
     checks_padding: bool = False
+    # each layer's window is its `layer_types` entry (Gemma 3: `sliding_window` is set, used by sliding layers only)
+    windows_by_layer_type: bool = False
 
     def attentions(self, base, config) -> list:
         return [getattr(layer, self.attention) for layer in getattr(base, self.layers)[: config.num_hidden_layers]]
@@ -77,6 +79,12 @@ FAMILIES = {
     "GPT2Model": Family("gpt2", "transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", layers="h",
                         attention="attn", rotary=None, watched=("create_causal_mask", "ALL_ATTENTION_FUNCTIONS"),
                         checks_padding=True),
+    # Gemma 3 (text): full-attention layers only (`layer_types`; the released configs' sliding layers keep it off the
+    # dynamic-cache loop), one rope per layer type (each static), q/k norms, a scaled embedding, the final logit
+    # soft-capping in the last piece (a config branch); the sliding mask it also makes is unused by full layers
+    "Gemma3TextModel": Family("gemma3", "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM",
+                              watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask"),
+                              windows_by_layer_type=True),
 }
 # rope types whose frequencies are fixed at init (the `dynamic_rope_update` decorator does nothing for them)
 STATIC_ROPE = frozenset(("default", "linear", "llama3", "yarn"))
@@ -126,15 +134,20 @@ def why_not_model(model, model_forward) -> str | None:
         return "not a causal model"
     if getattr(config, "add_cross_attention", False):
         return "cross-attention layers"
-    if getattr(config, "sliding_window", None) is not None and (
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping (SDPA refuses it)"
+    if not family.windows_by_layer_type and getattr(config, "sliding_window", None) is not None and (
             name == "mistral" or getattr(config, "use_sliding_window", True)):
         return "sliding-window attention"
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "layers other than full attention"
     if family.rotary is not None:
         rope = getattr(getattr(base, family.rotary, None), "rope_type", None)
-        if rope not in STATIC_ROPE:
-            return f"rope type {rope!r} has per-length state"
+        for kind in rope.values() if isinstance(rope, dict) else (rope,):  # Gemma 3: one per layer type
+            if not isinstance(kind, str) or kind not in STATIC_ROPE:
+                return f"rope type {kind!r} has per-length state"
     if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
         return "quantized weights"
     if len(set(getattr(model, "hf_device_map", {}).values())) > 1:

@@ -103,6 +103,25 @@ _FAMILIES = (  # family, modeling module, then each of its sources (qualified na
         "transformers.activations:NewGELUActivation.forward": {"23d0bb14245b": "5.17.0-5.24.0"},
         "transformers.modeling_utils:PreTrainedModel.warn_if_padding_and_no_attention_mask": {"9ffe0ea27d5b": "5.17.0-5.24.0"},
     }),
+    # Gemma 3 (text), full-attention layers only: the rotary embedding is called once per layer type (a set, fixed by
+    # the config) with that type's static frequencies; q/k RMS norms; the embedding scaled by a buffer; the mask
+    # mapping's sliding entry (`create_sliding_window_causal_mask`, which returns the 4D sentinel as it is) is read by
+    # no full layer; the final logit soft-capping is a config branch. 5.20 changes only the sliding mask's packed-
+    # sequence branch (no cache), 5.23 annotations
+    ("gemma3", "transformers.models.gemma3.modeling_gemma3", {
+        "Gemma3Attention.forward": {"6e90b6366068": "5.17.0-5.23.0", "a587b2149a76": "5.24.0"},
+        "Gemma3DecoderLayer.forward": {"78a7d4e25e48": "5.17.0-5.22.2", "06827e6c4404": "5.23.0", "f0e376e68238": "5.24.0"},
+        "Gemma3TextModel.forward": {"90af3d0f9dff": "5.17.0-5.22.2", "97c81a903bde": "5.23.0", "da568ee36512": "5.24.0"},
+        "Gemma3ForCausalLM.forward": {"7fa4142552a6": "5.17.0-5.20.2", "995da50b9561": "5.21.1-5.22.2", "931e74ef7885": "5.23.0", "ac85009833df": "5.24.0"},
+        "Gemma3RotaryEmbedding.forward": {"13f36c90e2ab": "5.17.0", "8119db5a6a44": "5.18.0", "8ea608d3afdf": "5.19.0-5.23.0", "94181ac8fda3": "5.24.0"},
+        "Gemma3MLP.forward": {"b4e9c2637c7f": "5.17.0-5.24.0"},
+        "Gemma3RMSNorm.forward": {"3a8c77aca757": "5.17.0-5.24.0"},
+        "Gemma3TextScaledWordEmbedding.forward": {"af332c9fd666": "5.17.0-5.24.0"},
+        "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.24.0"},
+        "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
+        "transformers.masking_utils:create_sliding_window_causal_mask": {"1df4553adac5": "5.17.0-5.19.0", "86cded694378": "5.20.2-5.22.2", "410bd7e79f27": "5.23.0", "e7f6a00edf5b": "5.24.0"},
+        "transformers.activations:GELUTanh.forward": {"35866b531b89": "5.17.0-5.24.0"},
+    }),
 )
 
 
