@@ -32,7 +32,7 @@ import torch
 
 from .. import cache_kwarg, concurrency, masking
 from . import eligibility
-from .graphs import NotRecordable, capture_failure, record
+from .graphs import NotRecordable, capture_failure, record, watched_functions
 
 MAX_KEYS = 4  # recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
 _STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -49,6 +49,7 @@ class ModelGraphs:
         self.recordings: collections.OrderedDict = collections.OrderedDict()
         self.failed: dict = {}  # key -> why its recording failed (not tried again while the model is unchanged)
         self.entries: list = []  # (owner dict, name, object): every submodule, parameter and buffer as recorded
+        self.functions: list = []  # (namespace, name, object): the torch names the replayed Python looks up
         self._columns: tuple = ([], [], [])  # `entries` as three lists
         self.tensors: list = []
         self.pointers: list = []
@@ -57,6 +58,7 @@ class ModelGraphs:
     def clear(self) -> None:
         self.recordings.clear()
         self.failed.clear()
+        self.functions = []
         self.entries, self.tensors, self.pointers = [], [], []
         self._columns = ([], [], [])
         self.pool = None
@@ -73,13 +75,18 @@ class ModelGraphs:
                         tensors.append(tensor)
         entries += _attribute_entries(model)
         self.entries, self.tensors = entries, tensors
+        base = eligibility.base_of(model)
+        self.functions = watched_functions(model, sys.modules[type(base).__module__])
         self._columns = tuple(map(list, zip(*entries))) if entries else ([], [], [])
         self.pointers = [tensor.data_ptr() for tensor in tensors]
+
 
     def changed(self) -> bool:
         # checked before every replay: C-level maps over the flat lists (a few microseconds for a 1B model)
         tables, names, values = self._columns
         if any(map(operator.is_not, map(dict.get, tables, names), values)):
+            return True
+        if any(table.get(name) is not value for table, name, value in self.functions):
             return True
         return list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
 
@@ -243,7 +250,8 @@ class PiecewiseForward:
             return eligibility.why_rebound(zip(owners, names, first))
         if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
             return "the attention implementation changed"
-        return None
+        return _why_mode()
+
 
     def _step(self, inputs):
         """(the attention's mask, the recording key, None), or (None, None, why this step runs eagerly)."""
@@ -278,8 +286,47 @@ class PiecewiseForward:
                # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them
                # (the CUDA usage fuzzer: seeds 422, 775, 1447, 1899), and the reverse would hand inference-mode
                # callers normal tensors where stock gives inference ones
-               torch.is_inference_mode_enabled())
+               torch.is_inference_mode_enabled(),
+               # factory calls without a device inside the pieces were recorded on this default device
+               _default_device())
         return mask, key, None
+
+
+_FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", None)
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def _why_mode() -> str | None:
+    """A torch function or dispatch mode active around the forward (a profiler's, a debugger's, a counting mode) sees
+    every op of stock's forward, and nothing of a replay: the step runs eagerly. `torch.set_default_device` keeps one
+    mode on for good (a `DeviceContext`): it only gives factory calls without a device their device, and it is part
+    of the recording key (`_default_device`), so it keeps the path."""
+    if _FUNCTION_MODES is None or _DISPATCH_MODES is None:
+        return "torch's mode stacks cannot be read"
+    if _DISPATCH_MODES():
+        return "a torch dispatch mode is active"
+    if _FUNCTION_MODES() and any(type(mode) is not _DeviceContext() for mode in _function_modes()):
+        return "a torch function mode is active"
+    return None
+
+
+def _function_modes() -> list:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _get_current_function_mode_stack()
+
+
+def _DeviceContext():
+    from torch.utils._device import DeviceContext
+
+    return DeviceContext
+
+
+def _default_device():
+    """The default device `torch.set_default_device` put on the mode stack, None without one (a recording key)."""
+    if not _FUNCTION_MODES():
+        return None
+    return tuple(str(getattr(mode, "device", None)) for mode in _function_modes())
 
 
 def _alone() -> bool:
