@@ -11,6 +11,7 @@ import unittest
 from unittest import mock
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, build, prompt
@@ -127,6 +128,29 @@ class EmulatedPiecewiseForward(unittest.TestCase):
                 sys.setprofile(None)
         self.assertEqual(tas.last_path().forward, "graphed (3 pieces): 7 decode steps")
         self.assertEqual(len(calls), 2 * per_forward)  # the prefill and the recording step; 6 replays run none
+
+    def test_the_report_counts_every_eager_step_after_replays(self):
+        # after replays, each eager step for the same reason is counted (the note was refreshed only on a new reason)
+        model = build("llama")
+        ids, mask = prompt(batch=1)
+        handles = []
+
+        class HookFrom(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                if input_ids.shape[1] == ids.shape[1] + 3 and not handles:
+                    handles.append(model.model.norm.register_forward_hook(lambda *args: None))
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        try:
+            with emulated(), torch.no_grad():
+                model.generate(ids, attention_mask=mask, pad_token_id=PAD, max_new_tokens=9, do_sample=False,
+                               eos_token_id=None, async_stopping_criteria=True,
+                               stopping_criteria=StoppingCriteriaList([HookFrom()]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        # 8 decode steps: 2 graphed (the recording and one replay), then 6 eager once the hook is on
+        self.assertEqual(tas.last_path().forward, "graphed (3 pieces): 2 decode steps; 6 eager: a hook was added")
 
     def test_without_the_emulation_the_cpu_keeps_the_eager_forward(self):
         model = build("llama")

@@ -215,7 +215,7 @@ class PiecewiseForward:
 
     def _eager(self, why, inputs):
         self.eager_steps += 1
-        if why != self.last_eager or self.replayed == 0:
+        if why != self.last_eager or self.replayed:  # with replays the note counts the eager steps: kept current
             self.last_eager = why
             self._note()
         return self.eager(**inputs)
