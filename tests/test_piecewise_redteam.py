@@ -239,5 +239,40 @@ class PythonTheReplaySkips(unittest.TestCase):
         self.assertEqual(counts[0], counts[1], "F.linear calls seen by the mode: stock, flag")
 
 
+
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
+class UserMaskFunction(unittest.TestCase):
+    """HOLE E: a mask function the user registered for "sdpa" (`AttentionMaskInterface.register`, transformers'
+    public way to change masking) is what stock's `create_causal_mask` calls at every decode step; the piecewise
+    forward never calls it (the recording hands the forward a 4D sentinel, and `_attention_mask` gives an unpadded
+    batch's replays no mask at all, as stock's own sdpa mask function would), so the replayed steps attend where the
+    user's mask forbids. (`eligibility.watched` covers `create_causal_mask` itself, not the mask registry.) The flag's
+    eager forward equals stock here, and a padded batch steps aside."""
+
+    def test_a_registered_sdpa_mask_function_shapes_every_decode_step(self):
+        from transformers import masking_utils
+
+        real = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+        had = "sdpa" in masking_utils.AttentionMaskInterface._global_mapping
+
+        def without_the_first_position(*args, **kwargs):
+            mask = real(*args, **{**kwargs, "allow_is_causal_skip": False})
+            mask = mask.clone()
+            mask[..., 0] = False  # no query attends to the first token (a user's sink removal)
+            return mask
+
+        def call(model, cache, _, flag):
+            return model.generate(_ids(1, (2, 5)), past_key_values=cache, **_kwargs(flag, max_new_tokens=6))
+
+        masking_utils.AttentionMaskInterface.register("sdpa", without_the_first_position)
+        try:
+            _compare(self, [call])
+        finally:
+            if had:
+                masking_utils.AttentionMaskInterface.register("sdpa", real)
+            else:
+                masking_utils.AttentionMaskInterface._global_mapping.pop("sdpa", None)
+
+
 if __name__ == "__main__":
     unittest.main()
