@@ -274,5 +274,36 @@ class UserMaskFunction(unittest.TestCase):
                 masking_utils.AttentionMaskInterface._global_mapping.pop("sdpa", None)
 
 
+
+class _AtCall(StoppingCriteria):
+    """Calls `fn()` at its `at`-th call; never stops."""
+
+    def __init__(self, at, fn):
+        self.at, self.fn, self.calls = at, fn, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            self.fn()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
+class SlidingWindowSetMidCall(unittest.TestCase):
+    """HOLE F: Mistral's `config.sliding_window` set by a criterion mid-call (None -> 3): stock's next decode steps
+    mask all but the last 3 positions (`create_causal_mask` reads the config per step). The rebound config field
+    makes the piecewise recordings stale, but the step records again and replays with `_attention_mask`'s decision
+    (no mask for an unpadded batch): no window. The sliding-window refusal (`eligibility.why_not_model`) runs once per
+    call only. (Set between calls, the next call steps aside, equal to stock; the flag's eager forward equals stock.)"""
+
+    def test_a_sliding_window_set_by_a_criterion_applies_to_the_later_steps(self):
+        def call(model, cache, _, flag):
+            window = _AtCall(3, lambda: setattr(model.config, "sliding_window", 3))
+            return model.generate(_ids(1, (1, 6)), past_key_values=cache, **_kwargs(
+                flag, max_new_tokens=10, stopping_criteria=StoppingCriteriaList([window])))
+
+        _compare(self, [call], family="mistral")
+
+
 if __name__ == "__main__":
     unittest.main()
