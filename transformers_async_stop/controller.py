@@ -140,6 +140,9 @@ class AsyncStop:
         self.last_ids = None  # the `input_ids` transformers' loop handed the criteria at the last step that ran them
         self.why_synchronous = None  # why every verdict is read at once (for `last_path()`), where not the cache
         self.padding = None  # padding_check.PendingChecks: the decode forward's padding checks, run at `join`
+        # `input_drops.drop_length`: past this sequence length the model's own input preparation may drop the cache
+        # (the next forward refills a new one, which no undone extra step may be): each verdict is then read at once
+        self.drops_after, self.why_drops = None, None
 
     # -- the side stream ---------------------------------------------------------------------------------------
     def allow_side(self, carried: torch.Tensor | None) -> None:
@@ -225,6 +228,8 @@ class AsyncStop:
             # stopped on the host only where the criterion saw this value: one changed during this step's criteria
             # or processors is left to the criterion's own device verdict (read one step late like any other)
             return True
+        if not self.synchronous and self.drops_after is not None and length > self.drops_after:
+            self.synchronous, self.why_synchronous = True, self.why_drops  # for the rest of the call
         if not self.synchronous and self.hooks is not None and self.hooks.hooked():
             self.synchronous = True
             self.why_synchronous = self.hooks.why  # a forward hook, or a class-level forward wrapper

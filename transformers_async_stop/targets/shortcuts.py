@@ -135,6 +135,26 @@ _GROWN_MASKS = tuple(
 )
 
 
+# Phi-3's `prepare_inputs_for_generation` (PhiMoE's is the same text) passes no cache to a forward whose input is
+# longer than `original_max_position_embeddings` while the cache holds no more than that (4.57: only with a
+# `rope_scaling` set; 4.57-5.3 take the cache's length from `cache_position[0]`, 5.4+ from `get_seq_length()`; 5.20+
+# also ask the generic preparation for the whole sequence): never one whose input is shorter, on every release read.
+# The flag reads each verdict at once from that length on (`input_drops.drop_length`); elsewhere from the first step.
+_ROPE_SWITCH = {"55b680a533c6": "4.57.6", "0f2bac97b3ab": "5.0.0-5.3.0", "d0d891a916ce": "5.4.0-5.14.1",
+                "28dba0791656": "5.15.1-5.19.0", "ca5a947f41e7": "5.20.2-5.23.0", "0fc3c62aa7ef": "5.24.0"}
+_INPUT_DROPS = tuple(
+    Shortcut(
+        f"rope switch drops the cache ({family} inputs)", (source,), {source: _ROPE_SWITCH},
+        "input_drops.drop_length",
+        why="the forward past the rope switch refills a new cache, which no undone extra step may be: verdicts are "
+            "read at once from that length on only, not for the whole call",
+    )
+    for family, source in (
+        ("phi3", "transformers.models.phi3.modeling_phi3:Phi3ForCausalLM.prepare_inputs_for_generation"),
+        ("phimoe", "transformers.models.phimoe.modeling_phimoe:PhimoeForCausalLM.prepare_inputs_for_generation"),
+    )
+)
+
 SHORTCUTS: tuple[Shortcut, ...] = (
     Shortcut(
         "LogitsProcessorList.__call__", (f"{_LP}:LogitsProcessorList.__call__",),
@@ -348,4 +368,6 @@ SHORTCUTS: tuple[Shortcut, ...] = (
         why="the n-gram search reads the device for every match and candidate; it is integer work on the host "
             "copy, and these processors cannot forbid a candidate on all-ones logits",
     ),
+    # --- models whose own input preparation drops the cache (input_drops.py) ----------------------------------
+    *_INPUT_DROPS,
 )

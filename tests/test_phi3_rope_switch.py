@@ -1,0 +1,133 @@
+"""Phi-3 past its rope switch: the flag's output equals stock's wherever the stop lands.
+
+Phi-3's own `prepare_inputs_for_generation` drops the cache at the step whose input first passes
+`original_max_position_embeddings` (its rope switches from short to long factors there), and that step's forward
+fills a new cache (with the whole sequence from 5.20 on, the last token alone before, so that 5.17-5.19 drop it again
+at every later step; 4.57 drops it only with a `rope_scaling` set). With the flag, a stop is read one step late and
+the extra step is undone: had the extra step been a refill, no crop could give stock's cache back. These cases place
+the stop before the switch, at the step before it (the extra step is the refill), on it and past it, greedy and
+seeded sampling, on transformers' own loop with the package's stop check (the plain deferred path: every release
+before 5.17, `TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP=0` from 5.17 on) and on the dynamic-cache loop (5.17+), and
+compare everything the caller sees with unpatched transformers: sequences, scores, logits, the returned cache, a
+cache the caller passed in, and the RNG after the call.
+"""
+
+from __future__ import annotations
+
+import os
+import unittest
+from unittest import mock
+
+import torch
+from parameterized import parameterized
+
+import transformers_async_stop as tas
+from transformers_async_stop import cache_kwarg
+
+from models import PAD, TRANSFORMERS_VERSION, assert_same, assert_same_cache, build, prompt, stock
+
+MAX_NEW = 9
+# the stop's position relative to the switch: the index of the EOS token in the sequence minus
+# `original_max_position_embeddings` (0: stock stops at the step before the switch, so the flag's extra step is the
+# forward that refills the cache; 1: stock's last step is that refill)
+OFFSETS = (-1, 0, 1, 2)
+MODES = ("greedy", "sample")
+PATHS = ("plain", "dynamic")
+
+
+def _model(limit: int):
+    model = build("phi3", original_max_position_embeddings=limit)
+    if TRANSFORMERS_VERSION < (5, 0):
+        # 4.57 drops the cache at the switch only with a rope scaling set: the rotary embedding was built without it
+        # (default rope), the preparation reads it at every step
+        model.config.rope_scaling = {"rope_type": "default"}
+    return model
+
+
+def _run(model, ids, mask, mode, flag, eos, seed=7, cache=None):
+    kwargs = dict(attention_mask=mask, pad_token_id=PAD, max_new_tokens=MAX_NEW, eos_token_id=eos,
+                  return_dict_in_generate=True, output_scores=True, output_logits=True,
+                  do_sample=mode == "sample")
+    if mode == "sample":
+        kwargs.update(top_k=0, temperature=1.0)
+    if flag:
+        kwargs["async_stopping_criteria"] = True
+    if cache is not None:
+        kwargs[cache_kwarg.name()] = cache
+    torch.manual_seed(seed)
+    out = model.generate(ids, **kwargs)
+    return out, torch.rand(4)
+
+
+def _case(mode, offset):
+    """(model, ids, mask, eos): an EOS id whose first generated occurrence is at index `limit + offset` of the
+    sequence, for the first `limit` (from the prompt's length on) where one exists."""
+    ids, mask = prompt(batch=1)
+    length = ids.shape[1]
+    for limit in range(length, length + 4):
+        model = _model(limit)
+        with stock():
+            out, _ = _run(model, ids, mask, mode, False, None)
+        tokens = out.sequences[0].tolist()
+        at = limit + offset
+        if length <= at < len(tokens) and tokens[at] not in tokens[length:at] and tokens[at] != PAD:
+            return model, ids, mask, tokens[at]
+    raise AssertionError(f"no EOS stops {mode} decoding at offset {offset} from the switch")
+
+
+def _fresh_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # 4.57
+        return DynamicCache()
+
+
+class Phi3RopeSwitchTest(unittest.TestCase):
+    def _env(self, path):
+        if path == "dynamic" and TRANSFORMERS_VERSION < (5, 17):
+            self.skipTest("the dynamic-cache loop runs on transformers 5.17+")
+        value = "0" if path == "plain" else ""
+        return mock.patch.dict(os.environ, {"TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP": value})
+
+    @parameterized.expand([(m, o, p) for p in PATHS for m in MODES for o in OFFSETS])
+    def test_stop_near_the_rope_switch_returns_stocks_output_cache_and_rng(self, mode, offset, path):
+        with self._env(path):
+            model, ids, mask, eos = _case(mode, offset)
+            with stock():
+                ref, ref_draw = _run(model, ids, mask, mode, False, eos)
+            out, draw = _run(model, ids, mask, mode, True, eos)
+            report = tas.last_path()
+        self.assertIn(report.path, ("deferred", "immediate"), report.describe())
+        self.assertEqual(report.loop == "dynamic", path == "dynamic", report.describe())
+        # the case is the one asked for: stock stops with the EOS at `original_max_position_embeddings + offset`
+        self.assertEqual(ref.sequences.shape[1], model.config.original_max_position_embeddings + offset + 1)
+        assert_same(self, ref.sequences, out.sequences, "sequences")
+        assert_same(self, ref.scores, out.scores, "scores")
+        assert_same(self, ref.logits, out.logits, "logits")
+        assert_same_cache(self, cache_kwarg.of_output(ref), cache_kwarg.of_output(out))
+        assert_same(self, ref, out)
+        self.assertTrue(torch.equal(ref_draw, draw), "RNG after the call")
+        if offset >= 0:
+            # the verdict of the stop was read at once: the switch is named as the reason
+            self.assertEqual(report.path, "immediate", report.describe())
+            self.assertIn("drops the cache", report.reason or "", report.describe())
+
+    @parameterized.expand([(m, o, p) for p in PATHS for m in MODES for o in OFFSETS])
+    def test_stop_near_the_rope_switch_leaves_a_passed_cache_as_stock(self, mode, offset, path):
+        # the caller's own cache object is the one dropped at the switch: it keeps what it held then, as in stock
+        with self._env(path):
+            model, ids, mask, eos = _case(mode, offset)
+            ref_cache, cache = _fresh_cache(model), _fresh_cache(model)
+            with stock():
+                ref, ref_draw = _run(model, ids, mask, mode, False, eos, cache=ref_cache)
+            out, draw = _run(model, ids, mask, mode, True, eos, cache=cache)
+        assert_same(self, ref, out)
+        assert_same_cache(self, ref_cache, cache, "passed cache")
+        self.assertEqual(cache_kwarg.of_output(ref) is ref_cache, cache_kwarg.of_output(out) is cache)
+        self.assertTrue(torch.equal(ref_draw, draw), "RNG after the call")
+
+
+if __name__ == "__main__":
+    unittest.main()
