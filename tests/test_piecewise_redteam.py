@@ -194,6 +194,7 @@ class PythonTheReplaySkips(unittest.TestCase):
     (`torch.nn.functional.silu`, which `nn.SiLU.forward`, Llama's MLP activation, looks up per call): stock's next
     call runs the new one; the replays of the recording made before run the old kernels. (`eligibility.watched`
     covers the modeling module's functions and the module classes' forwards, not the torch functions they call.)
+    B2: the same for a tensor operator (`Tensor.__add__`), which no name in the forward's code looks up.
 
     HOLE C: a Python observer active around generate(), a `TorchFunctionMode` (a counting or logging mode, as
     profilers and debuggers install): stock's every decode step calls it; a replay none (CUDA: a
@@ -216,6 +217,28 @@ class PythonTheReplaySkips(unittest.TestCase):
                 return model.generate(ids, past_key_values=cache, **_kwargs(flag, max_new_tokens=5))
             finally:
                 torch.nn.functional.silu = real
+
+        _compare(self, [first, second])
+
+    def test_a_tensor_operator_rebound_between_calls_is_used_by_the_next_call(self):
+        # HOLE B2 (after B's fix, 42d5976): an operator (`residual + hidden_states` is `Tensor.__add__`, looked up by
+        # the interpreter, not by a name in the forward's code) rebound between calls; stock's next call runs it
+        real = torch.Tensor.__add__
+
+        def bumped(self, other):
+            out = real(self, other)
+            return out * 1.5 if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+
+        def first(model, cache, _, flag):
+            return model.generate(_ids(1, (1, 5)), past_key_values=cache, **_kwargs(flag, max_new_tokens=4))
+
+        def second(model, cache, out, flag):
+            torch.Tensor.__add__ = bumped
+            try:
+                ids = torch.cat([out, _ids(7, (1, 2))], 1)
+                return model.generate(ids, past_key_values=cache, **_kwargs(flag, max_new_tokens=4))
+            finally:
+                torch.Tensor.__add__ = real
 
         _compare(self, [first, second])
 
