@@ -313,7 +313,7 @@ class _AtCall(StoppingCriteria):
 
 @unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
 class SlidingWindowSetMidCall(unittest.TestCase):
-    """HOLE F: Mistral's `config.sliding_window` set by a criterion mid-call (None -> 3): stock's next decode steps
+    """HOLE F: Mistral's (and Phi-3's) `config.sliding_window` set by a criterion mid-call (None -> 3): stock's next decode steps
     mask all but the last 3 positions (`create_causal_mask` reads the config per step). The rebound config field
     makes the piecewise recordings stale, but the step records again and replays with `_attention_mask`'s decision
     (no mask for an unpadded batch): no window. The sliding-window refusal (`eligibility.why_not_model`) runs once per
@@ -325,7 +325,9 @@ class SlidingWindowSetMidCall(unittest.TestCase):
             return model.generate(_ids(1, (1, 6)), past_key_values=cache, **_kwargs(
                 flag, max_new_tokens=10, stopping_criteria=StoppingCriteriaList([window])))
 
-        _compare(self, [call], family="mistral")
+        for family in ("mistral", "phi3"):  # (Phi-3 picks its mask function by config.sliding_window per call too)
+            with self.subTest(family):
+                _compare(self, [call], family=family)
 
 
 if __name__ == "__main__":
