@@ -170,7 +170,13 @@ class PiecewiseForward:
             eligibility.base_of(self.model).warn_if_padding_and_no_attention_mask(inputs["input_ids"], None)
         graphs = self.graphs
         if graphs.recordings and graphs.changed():
-            graphs.clear()  # weights replaced or moved: every recording of this model is stale
+            graphs.clear()  # weights replaced or moved, an attribute rebound: every recording of this model is stale
+            # what changed may be a decision the call's eligibility made once (a config's `sliding_window` set by a
+            # criterion): decided again before anything is recorded
+            why = eligibility.why_not_model(self.model, self.eager)
+            if why is not None:
+                self.off = why
+                return self._eager(why, inputs)
         recording = graphs.recordings.get(key)
         if recording is not None:
             graphs.recordings.move_to_end(key)
@@ -250,6 +256,10 @@ class PiecewiseForward:
             return eligibility.why_rebound(zip(owners, names, first))
         if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
             return "the attention implementation changed"
+        if not _own_sdpa_mask():
+            # stock's `create_causal_mask` calls the mask function registered for "sdpa" at every step; a replay's
+            # mask is the one `_attention_mask` worked out for transformers' own
+            return "a mask function registered for sdpa"
         return _why_mode()
 
 
@@ -308,6 +318,14 @@ def _why_mode() -> str | None:
     if _FUNCTION_MODES() and any(type(mode) is not _DeviceContext() for mode in _function_modes()):
         return "a torch function mode is active"
     return None
+
+
+def _own_sdpa_mask() -> bool:
+    from transformers import masking_utils
+
+    registry = getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None)
+    own = getattr(masking_utils, "sdpa_mask", None)
+    return registry is not None and own is not None and registry.get("sdpa") is own
 
 
 def _function_modes() -> list:

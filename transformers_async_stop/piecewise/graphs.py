@@ -296,8 +296,16 @@ def watched_functions(model, module) -> list:
         table = vars(namespace)
         entries += [(table, name, table[name]) for name in names if name in table]
     tensor_table, base = vars(torch.Tensor), torch._C.TensorBase
+    # operators are looked up by the interpreter, not by name in the code (`residual + hidden_states`)
+    names.update(_TENSOR_OPERATORS)
     entries += [(tensor_table, name, tensor_table.get(name)) for name in names if hasattr(base, name)]
     return entries
+
+
+_TENSOR_OPERATORS = tuple(f"__{op}__" for op in (
+    "add", "radd", "iadd", "sub", "rsub", "isub", "mul", "rmul", "imul", "truediv", "rtruediv", "itruediv",
+    "matmul", "rmatmul", "pow", "rpow", "neg", "pos", "getitem", "setitem", "and", "or", "invert", "eq", "ne", "lt",
+    "le", "gt", "ge", "mod", "floordiv"))
 
 
 def capture_failure(error: BaseException) -> bool:
