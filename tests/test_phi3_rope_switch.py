@@ -20,6 +20,7 @@ from unittest import mock
 
 import torch
 from parameterized import parameterized
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from transformers_async_stop import cache_kwarg
@@ -126,6 +127,66 @@ class Phi3RopeSwitchTest(unittest.TestCase):
         assert_same(self, ref, out)
         assert_same_cache(self, ref_cache, cache, "passed cache")
         self.assertEqual(cache_kwarg.of_output(ref) is ref_cache, cache_kwarg.of_output(out) is cache)
+        self.assertTrue(torch.equal(ref_draw, draw), "RNG after the call")
+
+
+class AtLength(StoppingCriteria):
+    """Every row is done once the sequence is `length` long (a device verdict, read one step late with the flag)."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+def _beam_run(model, ids, mask, sample, flag, offset, seed=7, cache=None):
+    """Beam search that stock stops at the sequence length `limit + offset`: the flag's extra step's input is
+    `limit + offset + 1` long (offset 0: that extra step is the refill; 1: stock's last step is)."""
+    stop = StoppingCriteriaList([AtLength(model.config.original_max_position_embeddings + offset + 1)])
+    kwargs = dict(attention_mask=mask, pad_token_id=PAD, max_new_tokens=MAX_NEW, eos_token_id=None, num_beams=2,
+                  num_return_sequences=2, early_stopping=True, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, do_sample=sample, stopping_criteria=stop)
+    if flag:
+        kwargs["async_stopping_criteria"] = True
+    if cache is not None:
+        kwargs[cache_kwarg.name()] = cache
+    torch.manual_seed(seed)
+    out = model.generate(ids, **kwargs)
+    return out, torch.rand(4)
+
+
+class Phi3RopeSwitchBeamTest(unittest.TestCase):
+    @parameterized.expand([(s, o) for s in (False, True) for o in OFFSETS])
+    def test_beam_search_stopping_near_the_rope_switch_returns_stocks_output_cache_and_rng(self, sample, offset):
+        ids, mask = prompt(batch=1)
+        model = _model(ids.shape[1] + 2)
+        with stock():
+            ref, ref_draw = _beam_run(model, ids, mask, sample, False, offset)
+        out, draw = _beam_run(model, ids, mask, sample, True, offset)
+        report = tas.last_path()
+        self.assertIn(report.path, ("deferred", "immediate"), report.describe())
+        self.assertEqual(len(ref.scores), model.config.original_max_position_embeddings + offset + 1 - ids.shape[1])
+        assert_same(self, ref.sequences, out.sequences, "sequences")
+        assert_same(self, ref.scores, out.scores, "scores")
+        assert_same_cache(self, cache_kwarg.of_output(ref), cache_kwarg.of_output(out))
+        assert_same(self, ref, out)
+        self.assertTrue(torch.equal(ref_draw, draw), "RNG after the call")
+        if offset >= 0:
+            self.assertEqual(report.path, "immediate", report.describe())
+            self.assertIn("drops the cache", report.reason or "", report.describe())
+
+    @parameterized.expand([(s, o) for s in (False, True) for o in OFFSETS])
+    def test_beam_search_stopping_near_the_rope_switch_leaves_a_passed_cache_as_stock(self, sample, offset):
+        ids, mask = prompt(batch=1)
+        model = _model(ids.shape[1] + 2)
+        ref_cache, cache = _fresh_cache(model), _fresh_cache(model)
+        with stock():
+            ref, ref_draw = _beam_run(model, ids, mask, sample, False, offset, cache=ref_cache)
+        out, draw = _beam_run(model, ids, mask, sample, True, offset, cache=cache)
+        assert_same(self, ref, out)
+        assert_same_cache(self, ref_cache, cache, "passed cache")
         self.assertTrue(torch.equal(ref_draw, draw), "RNG after the call")
 
 

@@ -69,6 +69,7 @@ def patched_beam_search(original, target):
                                     cache_returned=returned)
         ctl.watch_hooks(self)
         ctl.watch_positions(self)
+        ctl.watch_input_drops(self)  # Phi-3's rope switch: no extra step may refill a dropped cache
         try:
             outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
                                ExtraStepCriteria(stopping_criteria, ctl), generation_config,

@@ -28,6 +28,7 @@ import torch
 
 from .cache_rollback import cache_blocks_deferral, cache_end, capacity
 from .config import warn_stock
+from .input_drops import drop_length
 
 _SIDE_STREAMS: dict[int, list] = {}
 
@@ -248,6 +249,13 @@ class AsyncStop:
             return self._read(self.steps - 1)
         self.rng.snapshot()
         return False
+
+    def watch_input_drops(self, model) -> None:
+        """No extra step may be the forward that refills a cache the model's own input preparation dropped (Phi-3's
+        rope switch, `input_drops.py`): each verdict is read at once past the length where it may."""
+        drops = drop_length(model)
+        if drops is not None:
+            self.drops_after, self.why_drops = drops
 
     def follow_max_length(self, criteria) -> None:
         """Read `max_length` from the call's first `MaxLengthCriteria` at every step, as stock's criterion does

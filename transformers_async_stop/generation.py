@@ -19,7 +19,7 @@ from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step
 from .call_state import CALL, CallState, active_controller, active_draft, compiling
 from .module_state import why_stateful
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
-from . import concurrency, dynamic_loop, input_drops, padding_check, static_loop
+from . import concurrency, dynamic_loop, padding_check, static_loop
 from . import path_report
 from .controller import AsyncStop
 from .patching import MARKER
@@ -141,9 +141,7 @@ def patched_sample(original, target):
         )
         ctl.watch_hooks(self)
         ctl.watch_positions(self)
-        drops = input_drops.drop_length(self)  # Phi-3's rope switch drops the cache (input_drops.py)
-        if drops is not None:
-            ctl.drops_after, ctl.why_drops = drops
+        ctl.watch_input_drops(self)
         if draft is None:
             ctl.follow_max_length(stopping_criteria)
         if synced_gpus:
