@@ -27,6 +27,7 @@ from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt,
 from transformers_async_stop import cache_kwarg
 from transformers_async_stop.piecewise import eligibility
 from transformers_async_stop.graph_emulation import emulated
+from test_piecewise import _check_against_stock, _generate  # the same generate-and-draw and comparison
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
@@ -52,25 +53,6 @@ def _build(family, device="cpu", dtype=torch.float32, **overrides):
     config = Gemma3TextConfig(**kwargs)
     config._attn_implementation = "sdpa"
     return Gemma3ForCausalLM(config).to(device=device, dtype=dtype).eval()
-
-
-def _generate(model, ids, mask, flag, seed=7, **kwargs):
-    torch.manual_seed(seed)
-    extra = {} if flag is None else {"async_stopping_criteria": flag}
-    out = model.generate(ids, attention_mask=mask, pad_token_id=PAD, return_dict_in_generate=True, output_scores=True,
-                         output_logits=True, **extra, **kwargs)
-    return out, torch.rand(4, device=ids.device)
-
-
-def _check_against_stock(test, model, ids, mask, **kwargs):
-    with stock():
-        ref, ref_after = _generate(model, ids, mask, None, **kwargs)
-    out, after = _generate(model, ids, mask, True, **kwargs)
-    assert_same(test, ref, out)
-    test.assertTrue(torch.equal(ref_after, after), "RNG state after generate() differs")
-    for layer in cache_kwarg.of_output(out).layers:
-        test.assertTrue(layer.keys.is_contiguous() and layer.values.is_contiguous())
-    return out
 
 
 def _why(model):
