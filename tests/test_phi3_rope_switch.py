@@ -190,5 +190,37 @@ class Phi3RopeSwitchBeamTest(unittest.TestCase):
         self.assertTrue(torch.equal(ref_draw, draw), "RNG after the call")
 
 
+class Phi3RopeSwitchAssistedTest(unittest.TestCase):
+    """A Phi-3 assistant's draft loop (the package's deferred `_sample` inside a deferred assisted call) crosses its own
+    switch too: a draft stopped one token late by its confidence criterion must not have refilled the assistant's
+    cache in the undone step (5.0: later rounds drafted from the refilled cache, and sampling drew differently)."""
+
+    @parameterized.expand([(m,) for m in MODES])
+    def test_assisted_decoding_across_the_rope_switch_equals_stock(self, mode):
+        ids, mask = prompt(batch=1)
+        length = ids.shape[1]
+        for limit in (length + 1, length + 2):
+            model, assistant = _model(limit), build("phi3", seed=1, original_max_position_embeddings=limit)
+            assistant.config.rope_scaling = model.config.rope_scaling
+            kwargs = dict(attention_mask=mask, pad_token_id=PAD, max_new_tokens=MAX_NEW, return_dict_in_generate=True,
+                          output_scores=True, assistant_model=assistant, do_sample=mode == "sample")
+            with stock():
+                torch.manual_seed(5)
+                tokens = model.generate(ids, eos_token_id=None, **kwargs).sequences[0].tolist()
+            for at in range(length, len(tokens)):
+                if tokens[at] in tokens[length:at]:
+                    continue
+                with self.subTest(limit=limit, at=at):
+                    with stock():
+                        torch.manual_seed(5)
+                        ref = model.generate(ids, eos_token_id=tokens[at], **kwargs)
+                        ref_draw = torch.rand(4)
+                    torch.manual_seed(5)
+                    out = model.generate(ids, eos_token_id=tokens[at], async_stopping_criteria=True, **kwargs)
+                    draw = torch.rand(4)
+                    assert_same(self, ref, out)
+                    self.assertTrue(torch.equal(ref_draw, draw), "RNG after the call")
+
+
 if __name__ == "__main__":
     unittest.main()
