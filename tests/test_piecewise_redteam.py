@@ -1,7 +1,8 @@
 """Holes the red team found in the piecewise-graphed forward, on the CPU under the emulation of CUDA graphs
 (`graph_emulation.emulated()`): each case compares a flag-on call (graphed) with unpatched transformers.
 
-These fail until the piecewise forward is fixed (the lead flips them): each names its hole.
+Each class names its hole (A-F, B2: the red team of 2026-11-25, /work/notes/redteam-piecewise/); each failed on
+5.17, 5.23 and 5.24 (A on 5.17 only) before its fix in `piecewise/forward.py` / `piecewise/graphs.py`, and pins it.
 """
 
 from __future__ import annotations
