@@ -82,6 +82,8 @@ class QuickBenchmark(unittest.TestCase):
         self.assertIn("| case |", self.markdown)
         decodes = {r["decode"] for r in self.result["runs"]}
         self.assertEqual(decodes, {"greedy", "sample", "padded", "beam"})
+        # a left-padded batch on both caches (the dynamic one is issue 27's eager padded row)
+        self.assertEqual({r["mode"] for r in self.result["runs"] if r["decode"] == "padded"}, {"eager", "static"})
         for run in self.result["runs"]:
             self.assertIsNone(run["error"], run["label"])
             self.assertEqual(list(run["variants"]), self.expected)

@@ -208,7 +208,8 @@ def plan_runs(args, device: torch.device, cases: dict[str, Case]) -> list[tuple[
     if args.model:
         selected.append(model_case(args.model))
 
-    # the sampling, left-padded and beam-search runs go to the largest built-in case selected (tiny on CPU)
+    # the sampling, left-padded (static and dynamic cache) and beam-search runs go to the largest built-in case
+    # selected (tiny on CPU)
     extras_to = next((n for n in ("llama-1b", "tiny-llama") if n in names), None)
     modes = _names(args.modes) or list(MODES)
     plan = []
@@ -223,6 +224,11 @@ def plan_runs(args, device: torch.device, cases: dict[str, Case]) -> list[tuple[
             runs.append(run_of(case, args, device, "static", first or 1, "sample"))
             runs.append(run_of(case, args, device, "static", first or 8, "padded"))
             runs.append(run_of(case, args, device, "static", first or 1, "beam"))
+        if case.name == extras_to and "eager" in modes:
+            # the default DynamicCache's left-padded batch (issue 27's `llama-1b` eager padded b8 row): the graphed
+            # forward replays with the loop's grown 4D mask there
+            first = args.batch[0] if args.batch else None
+            runs.append(run_of(case, args, device, "eager", first or 8, "padded"))
         plan.append((case, runs))
     return plan
 
