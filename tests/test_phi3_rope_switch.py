@@ -85,6 +85,21 @@ def _fresh_cache(model):
         return DynamicCache()
 
 
+def _assert_stock_outcome(test, ref, out, ref_draw, draw, report, offset):
+    """The flag's sequences, scores, logits, returned cache and RNG after the call are stock's; a stop at or past the
+    switch had its verdict read at once, with the switch named as the reason."""
+    assert_same(test, ref.sequences, out.sequences, "sequences")
+    assert_same(test, ref.scores, out.scores, "scores")
+    if ref.logits is not None:
+        assert_same(test, ref.logits, out.logits, "logits")
+    assert_same_cache(test, cache_kwarg.of_output(ref), cache_kwarg.of_output(out))
+    assert_same(test, ref, out)
+    test.assertTrue(torch.equal(ref_draw, draw), "RNG after the call")
+    if offset >= 0:
+        test.assertEqual(report.path, "immediate", report.describe())
+        test.assertIn("drops the cache", report.reason or "", report.describe())
+
+
 class Phi3RopeSwitchTest(unittest.TestCase):
     def _env(self, path):
         if path == "dynamic" and TRANSFORMERS_VERSION < (5, 17):
@@ -104,16 +119,7 @@ class Phi3RopeSwitchTest(unittest.TestCase):
         self.assertEqual(report.loop == "dynamic", path == "dynamic", report.describe())
         # the case is the one asked for: stock stops with the EOS at `original_max_position_embeddings + offset`
         self.assertEqual(ref.sequences.shape[1], model.config.original_max_position_embeddings + offset + 1)
-        assert_same(self, ref.sequences, out.sequences, "sequences")
-        assert_same(self, ref.scores, out.scores, "scores")
-        assert_same(self, ref.logits, out.logits, "logits")
-        assert_same_cache(self, cache_kwarg.of_output(ref), cache_kwarg.of_output(out))
-        assert_same(self, ref, out)
-        self.assertTrue(torch.equal(ref_draw, draw), "RNG after the call")
-        if offset >= 0:
-            # the verdict of the stop was read at once: the switch is named as the reason
-            self.assertEqual(report.path, "immediate", report.describe())
-            self.assertIn("drops the cache", report.reason or "", report.describe())
+        _assert_stock_outcome(self, ref, out, ref_draw, draw, report, offset)
 
     @parameterized.expand([(m, o, p) for p in PATHS for m in MODES for o in OFFSETS])
     def test_stop_near_the_rope_switch_leaves_a_passed_cache_as_stock(self, mode, offset, path):
@@ -168,14 +174,7 @@ class Phi3RopeSwitchBeamTest(unittest.TestCase):
         report = tas.last_path()
         self.assertIn(report.path, ("deferred", "immediate"), report.describe())
         self.assertEqual(len(ref.scores), model.config.original_max_position_embeddings + offset + 1 - ids.shape[1])
-        assert_same(self, ref.sequences, out.sequences, "sequences")
-        assert_same(self, ref.scores, out.scores, "scores")
-        assert_same_cache(self, cache_kwarg.of_output(ref), cache_kwarg.of_output(out))
-        assert_same(self, ref, out)
-        self.assertTrue(torch.equal(ref_draw, draw), "RNG after the call")
-        if offset >= 0:
-            self.assertEqual(report.path, "immediate", report.describe())
-            self.assertIn("drops the cache", report.reason or "", report.describe())
+        _assert_stock_outcome(self, ref, out, ref_draw, draw, report, offset)
 
     @parameterized.expand([(s, o) for s in (False, True) for o in OFFSETS])
     def test_beam_search_stopping_near_the_rope_switch_leaves_a_passed_cache_as_stock(self, sample, offset):
