@@ -36,8 +36,9 @@ _ATEN = torch.ops.aten
 # host reads a CUDA capture refuses (a sync), beyond the ops torch tags as data-dependent
 _HOST_READS = frozenset((_ATEN._local_scalar_dense.default, _ATEN.item.default, _ATEN.equal.default,
                          _ATEN.is_nonzero.default))
-_UNCAPTURABLE_TAGS = frozenset((torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape,
-                                torch.Tag.cudagraph_unsafe))
+# (read by name: torch 2.6, the floor, has no `cudagraph_unsafe` tag)
+_UNCAPTURABLE_TAGS = frozenset(getattr(torch.Tag, name) for name in (
+    "data_dependent_output", "dynamic_output_shape", "cudagraph_unsafe") if hasattr(torch.Tag, name))
 
 
 def active() -> bool:

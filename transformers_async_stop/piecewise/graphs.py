@@ -317,7 +317,7 @@ def capture_failure(error: BaseException) -> bool:
     raised, not retried (a retry would run that code twice and could return where stock raises)."""
     if isinstance(error, NotRecordable):
         return True
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
         return True  # the eager retry allocates as stock does, and raises there if stock would
     return isinstance(error, RuntimeError) and "captur" in str(error).lower()
 
