@@ -23,6 +23,13 @@ _READ = {  # family: (modeling module, causal LM class whose `prepare_inputs_for
 }
 
 
+def own_prepare(module: str, name: str):
+    """The `prepare_inputs_for_generation` class `name` of modeling module `module` defines itself (None: the module is
+    not imported, or the class keeps an inherited one)."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return None if cls is None else cls.__dict__.get("prepare_inputs_for_generation")
+
+
 def drop_length(model) -> tuple[int, str] | None:
     """(length, why): the sequence length past which each verdict is read at once (0: from the first step), and why;
     None where the model's input preparation keeps the cache (transformers' generic one, or one with no rope switch)."""
@@ -35,8 +42,7 @@ def drop_length(model) -> tuple[int, str] | None:
     if type(limit) is not int:
         return None
     for family, (module, name) in _READ.items():
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and own is cls.__dict__.get("prepare_inputs_for_generation"):
+        if own is own_prepare(module, name):
             if matches(f"rope switch drops the cache ({family} inputs)"):
                 return limit, (f"the model's input preparation drops the cache past {limit} positions: each verdict "
                                "is read before a forward")

@@ -25,6 +25,7 @@ import torch
 from ..step_lists import _plan_criterion, is_user_criterion, plan_processors
 from ..verified import matches
 from .. import cache_kwarg
+from ..input_drops import own_prepare
 
 DYNAMIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP"
 
@@ -95,34 +96,18 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
 # it at every step (`inputs.DecodeInputs.build` hands none of the steps to its own input making). Phi-3's drops the
 # cache once the sequence passes `original_max_position_embeddings` (its long/short rope switch): the step after it
 # prefills the whole sequence into a new cache, as stock does (`targets/piecewise_rows.py`, "dynamic decode loop (phi3
-# inputs)")
+# inputs)"). Past that length each verdict is read at once (`input_drops.py`, `AsyncStop.record`), so no undone extra
+# step is the refill
 _OWN_INPUTS = {"phi3": ("transformers.models.phi3.modeling_phi3", "Phi3ForCausalLM")}
 
 
 def own_inputs_read(model) -> bool:
     """The model's class keeps the `prepare_inputs_for_generation` of one of `_OWN_INPUTS`, as read."""
-    for family in _OWN_INPUTS:
-        own = _own_prepare(family)
+    for family, (module, name) in _OWN_INPUTS.items():
+        own = own_prepare(module, name)
         if own is not None and type(model).prepare_inputs_for_generation is own:
             return matches(f"dynamic decode loop ({family} inputs)")
     return False
-
-
-def own_inputs_drop_length(model) -> int | None:
-    """The sequence length past which the model's own input preparation drops the cache (Phi-3's
-    `original_max_position_embeddings`), or None."""
-    if type(model).prepare_inputs_for_generation is _own_prepare("phi3"):
-        limit = getattr(model.config, "original_max_position_embeddings", None)
-        return limit if isinstance(limit, int) else None
-    return None
-
-
-def _own_prepare(family):
-    import sys
-
-    module_name, class_name = _OWN_INPUTS[family]
-    cls = getattr(sys.modules.get(module_name), class_name, None)
-    return None if cls is None else cls.__dict__.get("prepare_inputs_for_generation")
 
 
 def _is_remote_code(model) -> bool:

@@ -23,7 +23,6 @@ import torch
 from .. import cache_kwarg, path_report, piecewise
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
-from .eligibility import own_inputs_drop_length
 from .inputs import DecodeInputs
 
 
@@ -52,7 +51,6 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
     outputs = model._prefill(input_ids, generation_config, model_kwargs,
                              is_first_iteration=not generation_config.is_assistant)
     step_inputs = None  # made at the first decode step; None while stock prepares the inputs
-    drops_cache_after = own_inputs_drop_length(model)  # Phi-3: its own preparation drops the cache past this length
     first = True
     try:
         with model._optimize_model_for_decode():
@@ -102,12 +100,6 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
                         # a user criterion may have edited the last token in place: stock's next forward gets
                         # `input_ids[:, -1:].clone()` as the criteria left it (a copy on the device, no read)
                         column = input_ids[:, -1:].clone()
-                if drops_cache_after is not None and length > drops_cache_after and not ctl.synchronous:
-                    # the next forward may be the one that refills the cache from scratch: no extra step may run
-                    # it (an undo cannot give the old cache back), so this and every later verdict is read at once
-                    ctl.synchronous = True
-                    ctl.why_synchronous = (f"the model's input preparation drops the cache past "
-                                           f"{drops_cache_after} positions: each verdict is read before a forward")
                 if ctl.record(unfinished_sequences, next_tokens, length):
                     break
     except BaseException:
