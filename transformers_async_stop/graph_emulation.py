@@ -46,6 +46,12 @@ def active() -> bool:
     return _DEPTH > 0
 
 
+def emulates(device: torch.device) -> bool:
+    """Whether captures on `device` are emulated: a CPU device while a test has the emulation on (a CUDA device keeps
+    its real graphs)."""
+    return device.type == "cpu" and _DEPTH > 0
+
+
 @contextlib.contextmanager
 def emulated():
     """The package's graphs on CPU models, emulated (test-only; see the module docstring)."""

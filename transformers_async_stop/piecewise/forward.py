@@ -29,6 +29,7 @@ import threading
 import weakref
 
 import torch
+from transformers import masking_utils
 
 from .. import cache_kwarg, concurrency, masking
 from . import eligibility
@@ -302,8 +303,14 @@ class PiecewiseForward:
         return mask, key, None
 
 
+# torch's mode stacks (private: read by name, and a torch without them keeps the eager forward, `_why_mode`)
 _FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", None)
 _DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+try:
+    from torch.overrides import _get_current_function_mode_stack as _function_modes
+    from torch.utils._device import DeviceContext as _DeviceContext
+except ImportError:
+    _function_modes = _DeviceContext = None
 
 
 def _why_mode() -> str | None:
@@ -311,37 +318,25 @@ def _why_mode() -> str | None:
     every op of stock's forward, and nothing of a replay: the step runs eagerly. `torch.set_default_device` keeps one
     mode on for good (a `DeviceContext`): it only gives factory calls without a device their device, and it is part
     of the recording key (`_default_device`), so it keeps the path."""
-    if _FUNCTION_MODES is None or _DISPATCH_MODES is None:
+    if None in (_FUNCTION_MODES, _DISPATCH_MODES, _function_modes, _DeviceContext):
         return "torch's mode stacks cannot be read"
     if _DISPATCH_MODES():
         return "a torch dispatch mode is active"
-    if _FUNCTION_MODES() and any(type(mode) is not _DeviceContext() for mode in _function_modes()):
+    if _FUNCTION_MODES() and any(type(mode) is not _DeviceContext for mode in _function_modes()):
         return "a torch function mode is active"
     return None
 
 
 def _own_sdpa_mask() -> bool:
-    from transformers import masking_utils
-
+    """The mask function registered for "sdpa" is transformers' own `sdpa_mask`."""
     registry = getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None)
     own = getattr(masking_utils, "sdpa_mask", None)
     return registry is not None and own is not None and registry.get("sdpa") is own
 
 
-def _function_modes() -> list:
-    from torch.overrides import _get_current_function_mode_stack
-
-    return _get_current_function_mode_stack()
-
-
-def _DeviceContext():
-    from torch.utils._device import DeviceContext
-
-    return DeviceContext
-
-
 def _default_device():
-    """The default device `torch.set_default_device` put on the mode stack, None without one (a recording key)."""
+    """The default device `torch.set_default_device` put on the mode stack, None without one (a recording key).
+    Reached only after `_why_mode` found the stacks readable and holding no other function mode."""
     if not _FUNCTION_MODES():
         return None
     return tuple(str(getattr(mode, "device", None)) for mode in _function_modes())

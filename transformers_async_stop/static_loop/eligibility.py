@@ -210,13 +210,8 @@ def _exact_eos(criterion) -> bool:
 
 def _capturable_device(model) -> bool:
     """CUDA; or the CPU inside a test's `graph_emulation.emulated()` (the tails' captures emulated)."""
-    if emulation.active():
-        return _device_type(model) == "cpu"
-    return torch.cuda.is_available() and _device_type(model) == "cuda"
-
-
-def _device_type(model):
     try:
-        return model.device.type
+        device = model.device
     except (AttributeError, StopIteration):
-        return None
+        return False
+    return (device.type == "cuda" and torch.cuda.is_available()) or emulation.emulates(device)

@@ -79,7 +79,7 @@ class _Cuda:
 
 def backend_for(device):
     """CUDA's graphs and streams; on the CPU, inside a test's `graph_emulation.emulated()`, their emulation."""
-    return emulation.Backend if device.type == "cpu" and emulation.active() else _Cuda
+    return emulation.Backend if emulation.emulates(device) else _Cuda
 
 
 def _is_user(processor) -> bool:

@@ -239,7 +239,7 @@ class _Recorder:
             return
         device = self.input_ids.device
         # the CPU's generator is a graph's only in the tests' emulation, which replays the draw as eager makes it
-        graph_device = device.type == "cuda" or (device.type == "cpu" and emulation.active())
+        graph_device = device.type == "cuda" or emulation.emulates(device)
         for t in tree_leaves((args, kwargs, out)):
             if isinstance(t, torch.Tensor) and (not graph_device or t.device != device):
                 name = func._schema.name.split("::")[-1]
