@@ -125,7 +125,7 @@ class QuickBenchmark(unittest.TestCase):
             elif run["mode"] == "static":
                 expected = "deferred, static loop, tail eager"
             else:
-                expected = "deferred, dynamic loop"
+                expected = "deferred, dynamic loop, forward eager: not CUDA (cpu)"  # no graphs on the CPU
             self.assertEqual(paths["async"], expected, run["label"])
         self.assertIn("deferred", self.stdout.split("path")[1])
 
@@ -180,6 +180,21 @@ class QuickBenchmark(unittest.TestCase):
         for position in range(len(names)):  # over k reps, each variant takes each position once
             self.assertEqual(sorted(o[position] for o in orders[:len(names)]), sorted(names))
         self.assertEqual(orders[len(names):], orders[:len(names)])
+
+
+class Help(unittest.TestCase):
+    def test_help_lists_every_case_with_what_it_runs(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit) as exited:
+            bench.main(["--help"])
+        self.assertEqual(exited.exception.code, 0)
+        lines = out.getvalue().splitlines()
+        for name, case in cases.builtin_cases().items():
+            self.assertTrue(case.about, f"{name} has no description")
+            opt_in = "(opt-in) " if case.opt_in else ""
+            listed = [line for line in lines if line.split()[:1] == [name]]
+            self.assertEqual(len(listed), 1, name)
+            self.assertTrue(listed[0].endswith(f"  {opt_in}{case.about}"), listed[0])
 
 
 class Pieces(unittest.TestCase):
@@ -294,6 +309,7 @@ class Pieces(unittest.TestCase):
         self.assertIsNotNone(ref["ms_per_token"])
         self.assertIn("separately", ref["source"])
         self.assertTrue(is_patched())
+
 
 
 def _peft_imports() -> bool:

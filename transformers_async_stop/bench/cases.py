@@ -112,6 +112,7 @@ class Case:
     # the case's own (mode, decode) runs instead of every mode plus the extras (assisted decoding: eager only)
     plan: tuple[tuple[str, str], ...] | None = None
     opt_in: bool = False  # run only when named in --cases
+    about: str = ""  # one line on what the case runs (`--help` lists it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,18 +193,29 @@ def builtin_cases() -> dict[str, Case]:
     tiny, llama_1b = tiny_llama_config(), llama_1b_config()
     return {
         "tiny-llama": Case("tiny-llama", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
-                           extra=issue_43089_extras),
+                           extra=issue_43089_extras,
+                           about="the 1-layer Llama of #43089, greedy b1, a never-firing criterion and a graph_safe "
+                                 "softmax (the docs' tables)"),
         # the cases users run (opt-in: name them in --cases); each has a static and a dynamic-cache run
         "issue-43089": Case("issue-43089", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
-                            extra=issue_43089_as_written, opt_in=True),
+                            extra=issue_43089_as_written, opt_in=True,
+                            about="transformers #43089's script as written (its processor and criterion, nothing "
+                                  "declared graph_safe), greedy b1"),
         "chat-tiny": Case("chat-tiny", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
-                          extra=chat_config, plan=CHAT_RUNS, opt_in=True),
+                          extra=chat_config, plan=CHAT_RUNS, opt_in=True,
+                          about="a chat checkpoint's sampling config (temperature 0.7, top-p 0.9, top-k 50, "
+                                "repetition penalty 1.1) on the tiny Llama, b1"),
         "chat-llama-1b": Case("chat-llama-1b", _from_config(llama_1b), (1,), 128, 32, "bf16", pad_token_id=0,
-                              extra=chat_config, plan=CHAT_RUNS, opt_in=True),
-        "gpt2": Case("gpt2", _from_config(GPT2Config()), (1, 32), 100, 32, "fp32", pad_token_id=50256),
-        "llama-1b": Case("llama-1b", _from_config(llama_1b), (1, 32), 128, 32, "bf16", pad_token_id=0),
+                              extra=chat_config, plan=CHAT_RUNS, opt_in=True,
+                              about="the same chat sampling config on a Llama-1B-shaped bf16 model, b1"),
+        "gpt2": Case("gpt2", _from_config(GPT2Config()), (1, 32), 100, 32, "fp32", pad_token_id=50256,
+                     about="GPT-2 (124M shape), greedy b1 and b32"),
+        "llama-1b": Case("llama-1b", _from_config(llama_1b), (1, 32), 128, 32, "bf16", pad_token_id=0,
+                         about="a Llama-1B-shaped bf16 model, greedy b1 and b32 (CUDA with 8 GiB)"),
         "llama-1b-lora": Case("llama-1b-lora", _with_lora(llama_1b), (1,), 128, 32, "bf16", pad_token_id=0,
-                              plan=(("eager", "greedy"),), opt_in=True),
+                              plan=(("eager", "greedy"),), opt_in=True,
+                              about="the Llama-1B-shaped bf16 model with a peft LoRA adapter (r=16 on every "
+                                    "projection), greedy b1 DynamicCache (tiny on CPU; needs peft)"),
         **_assisted_cases(),
     }
 
