@@ -197,7 +197,7 @@ def _release_dir(session, python: str, version: str) -> Path:
 # --- the upstream patch series ------------------------------------------------------------------------------------
 @nox.session(venv_backend="none")
 def upstream(session):
-    """upstream/*.patch against the transformers 5.23.0 sdist from the package index: applies cleanly, the series'
-    own tests pass, and the project's equality cases give unpatched 5.23.0's outputs with the plug-in not imported.
+    """upstream/*.patch against the transformers 5.24.0 sdist from the package index: applies cleanly, the series'
+    own tests pass, and the project's equality cases give unpatched 5.24.0's outputs with the plug-in not imported.
     Its own virtualenv and work directory: .nox/_upstream (scripts/upstream_check.sh says what it does)."""
     session.run("bash", str(ROOT / "scripts" / "upstream_check.sh"), external=True)
