@@ -72,7 +72,7 @@ def main():
         import transformers
 
         transformers.logging.set_verbosity_error()
-        version = version
+        version = transformers.__version__
         import usage_dimensions
         import usage_runner
         from usage_runner import check
