@@ -8,6 +8,9 @@
 #   profile   where a decode step's host time goes, stock / upstream / imported / async (scripts/host_profile.py)
 #   bench     the benchmark (python -m transformers_async_stop.bench), extra args passed through
 #   multi     on two GPUs: device_map, tensor parallel, synced_gpus over NCCL
+#   multi2    on two GPUs: stock vs flag ms/token, syncs per step and GPU busy per device, Llama-8B-shaped split by
+#             device_map and tensor parallel (scripts/multi_gpu_bench.py; MULTI_BENCH_ARGS, e.g. "--quick" or
+#             "--configs dm-static-b8"; T_MULTI2, default 540 s: run it alone in a call)
 #   fuzz      the differential fuzz on CUDA (TAS_FUZZ_DRAWS draws, default 200)
 #   usage     the usage fuzzer on CUDA (scripts/usage_fuzz.py, USAGE_DRAWS scenarios, default 1000), once per seed in
 #             USAGE_SEEDS (default 0; a seed repeated runs the same scenarios again, under the same load)
@@ -148,6 +151,14 @@ for tag in ${VERSIONS:-t523}; do
     timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_device_map.py \
       tests/test_tensor_parallel.py tests/test_distributed.py > "$out/multi_$ver.txt" 2>&1
     grep -E "SYNCS|passed|failed|Error" "$out/multi_$ver.txt" | tail -40
+  fi
+  pack
+  if has multi2; then
+    timeout "${T_MULTI2:-540}" python3 scripts/multi_gpu_bench.py ${MULTI_BENCH_ARGS:-} \
+      --json "$out/multi_bench_$ver.json" --markdown "$out/multi_bench_$ver.md" \
+      > "$out/multi_bench_$ver.txt" 2> "$out/multi_bench_$ver.log"
+    echo "--- multi2 (exit $?)"; cat "$out/multi_bench_$ver.md" 2>/dev/null
+    grep -E "FAILED|Error|skipped" "$out/multi_bench_$ver.log" | tail -5
   fi
   pack
   if has bench; then
