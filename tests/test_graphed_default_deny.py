@@ -26,9 +26,9 @@ RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
 KNOB = {"strength": 0.0}  # a module-level global a steering module reads at every forward
 
 
-def _prompt():
+def _prompt(device="cpu"):
     g = torch.Generator().manual_seed(5)
-    return torch.randint(3, 48, (2, 6), generator=g)
+    return torch.randint(3, 48, (2, 6), generator=g).to(device)
 
 
 class _AtStep(StoppingCriteria):
@@ -44,25 +44,26 @@ class _AtStep(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def _run(setup, calls, flag, sample):
+def _run(setup, calls, flag, sample, device="cpu"):
     """A fresh seeded Llama, `setup(model) -> state` (what the user code shows afterwards), then each call:
     `call(model, state) -> extra generate() kwargs` (it may change the model before the call, or add a criterion).
     Returns what the caller observes, and the paths of the flag's calls."""
-    model = build("llama")
+    model = build("llama", device=device)
     state = setup(model)
-    model.eval()  # modules made in `setup` start in training mode (which alone keeps the forward eager)
+    model.to(device).eval()  # modules made in `setup` start in training mode (which alone keeps the forward eager)
     seen, paths = [], []
     torch.manual_seed(11)
     for call in calls:
         extra = call(model, state) or {}
         with torch.no_grad():
-            out = model.generate(_prompt(), attention_mask=torch.ones(2, 6, dtype=torch.long), max_new_tokens=7,
+            out = model.generate(_prompt(device), attention_mask=torch.ones(2, 6, dtype=torch.long, device=device),
+                                 max_new_tokens=7,
                                  do_sample=sample, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
                                  **({"async_stopping_criteria": True} if flag else {}), **extra)
         seen.append((out.sequences.clone(), [s.clone() for s in out.scores], _observed(state)))
         if flag:
             paths.append(tas.last_path().forward)
-    seen.append(torch.rand(3))  # the RNG after the calls
+    seen.append(torch.rand(3, device=device))  # the RNG after the calls
     return seen, paths
 
 
@@ -75,16 +76,19 @@ def _observed(state):
 
 @unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
 class _Case(unittest.TestCase):
-    """Compares a scenario's flag run, emulated, with stock's, greedy and sampled."""
+    """Compares a scenario's flag run (emulated on the CPU, real CUDA graphs on a GPU) with stock's, greedy and
+    sampled."""
+
+    DEVICE = "cpu"
 
     def check(self, setup, calls, eager=True, around=contextlib.nullcontext):
         """`around`: a context around each run (stock's and the flag's)."""
         for sample in (False, True):
             with self.subTest(sample=sample):
                 with stock(), around():
-                    want, _ = _run(setup, calls, False, sample)
-                with emulated(), around():
-                    got, paths = _run(setup, calls, True, sample)
+                    want, _ = _run(setup, calls, False, sample, self.DEVICE)
+                with (emulated() if self.DEVICE == "cpu" else contextlib.nullcontext()), around():
+                    got, paths = _run(setup, calls, True, sample, self.DEVICE)
                 self.assertEqual(len(want), len(got))
                 for i, (a, b) in enumerate(zip(want[:-1], got[:-1])):
                     self.assertTrue(torch.equal(a[0], b[0]), f"call {i}: sequences differ ({paths})")
@@ -356,12 +360,12 @@ class TorchReplacedOrReconfigured(_Case):
             return call
 
         try:
-            with emulated():
-                model = build("llama")
+            with emulated() if self.DEVICE == "cpu" else contextlib.nullcontext():
+                model = build("llama", device=self.DEVICE)
                 for value in (False, True, False):
                     toggle(value)(model, None)
                     with torch.no_grad():
-                        model.generate(_prompt(), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                        model.generate(_prompt(self.DEVICE), max_new_tokens=4, do_sample=False, pad_token_id=0,
                                        async_stopping_criteria=True)
                     self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
                 keys = list(piecewise_forward.graphs_of(model).recordings)
@@ -376,6 +380,14 @@ class TorchReplacedOrReconfigured(_Case):
         readers = {name for name in dir(torch._C) if name.startswith("_get_")}
         unknown = readers - set(settings.READERS) - settings.NOT_CUDA - settings.IGNORED
         self.assertEqual(unknown, set())
+
+
+# the same cases with real CUDA graphs (skipped without a GPU)
+for _base in (UserModulesKeepTheEagerForward, ClassesChangedUnderTheRecording, TorchReplacedOrReconfigured):
+    _name = f"{_base.__name__}OnCuda"
+    globals()[_name] = unittest.skipUnless(torch.cuda.is_available(), "needs CUDA")(
+        type(_name, (_base,), {"DEVICE": "cuda", "__module__": __name__}))
+del _base, _name
 
 
 if __name__ == "__main__":
