@@ -172,17 +172,25 @@ def user_code(function, cls=None) -> bool:
     import os
     import sys
 
-    import torch
-    import transformers
-
     function = getattr(function, "__func__", function)
     code = getattr(function, "__code__", None)
     if code is None:
         return False  # a builtin or a callable object: nothing of ours to tell by
-    here = os.path.dirname(os.path.abspath(__file__))
-    own = tuple(os.path.dirname(m.__file__) + os.sep for m in (transformers, torch)) + (here + os.sep,)
-    where = os.path.abspath(code.co_filename)
+    where = os.path.realpath(code.co_filename)
     defined = getattr(sys.modules.get(getattr(cls, "__module__", None)), "__file__", None)
-    if defined and where == os.path.abspath(defined):
+    if defined and where == os.path.realpath(defined):
         return False
-    return not where.startswith(own)
+    return not where.startswith(library_dirs() + (os.path.dirname(os.path.realpath(__file__)) + os.sep,))
+
+
+def library_dirs() -> tuple[str, ...]:
+    """transformers' and torch's package folders, as real paths (with a trailing separator). Files are compared by
+    real path: the same file imported under a second path (a symlinked copy of transformers, as transformers' own
+    test suite loads it with `direct_transformers_import`, which also makes that copy `sys.modules["transformers"]`)
+    is still transformers' own."""
+    import os
+
+    import torch
+    import transformers
+
+    return tuple(os.path.dirname(os.path.realpath(m.__file__)) + os.sep for m in (transformers, torch))
