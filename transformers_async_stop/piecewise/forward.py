@@ -42,6 +42,7 @@ _STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STORE_LOCK = threading.Lock()
 _TRAINING = operator.attrgetter("training")
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
 
 
@@ -87,6 +88,9 @@ class ModelGraphs:
             # `module.compile()` (a criterion's, mid-call) sets this private field: stock's next call of the module
             # runs the compiled code, which the recording never ran (proven.py refuses a compiled module)
             entries.append((module.__dict__, "_compiled_call_impl", module.__dict__.get("_compiled_call_impl")))
+            # the hook tables as objects: the per-step check reads the tables it found (`PiecewiseForward._watch`), so
+            # one replaced by another (`m._forward_hooks = OrderedDict(...)`) would go unseen
+            entries += [(module.__dict__, name, module.__dict__.get(name)) for name in _HOOK_TABLES]
         attributes = _attribute_entries(model)
         entries += attributes
         # a tensor held as a plain attribute (a weight swapped in with `del m.weight; m.weight = t`) is read by the
