@@ -66,6 +66,11 @@ def why_unread(model, family_sources) -> str | None:
         if why is None:
             table = module.__dict__
             why = next((f"an instance-level {attr}" for attr in _INSTANCE_OVERRIDES if attr in table), None)
+            if why is None:
+                # a module kept out of `_modules` (`object.__setattr__(layer, "mlp", wrapper)`) is found by the
+                # forward's `self.mlp` before the registered child, and `named_modules()` never lists it
+                why = next((f"an unregistered module in its {attr!r}" for attr, value in table.items()
+                            if isinstance(value, torch.nn.Module)), None)
             if why is None and table.get("_compiled_call_impl") is not None:
                 why = "a compiled module (module.compile())"
         if why is not None:
