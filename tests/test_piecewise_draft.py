@@ -114,7 +114,7 @@ class DraftOnTheCpu(unittest.TestCase):
 
 
 def _cache_name():
-    from transformers_async_stop import cache_kwarg
+    from transformers_async_stop.release_checks import cache_kwarg
 
     return cache_kwarg.name()
 

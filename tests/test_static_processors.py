@@ -31,7 +31,7 @@ from transformers import (
 
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, eos_ids_finishing_at, prompt, stock
 from transformers_async_stop.static_loop import eligibility, processors, tail
-from transformers_async_stop.verified import matches
+from transformers_async_stop.release_checks.verified import matches
 
 LOOP_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
 CUDA = torch.cuda.is_available()

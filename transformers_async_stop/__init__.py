@@ -11,7 +11,7 @@ from .config import FORCE_ENV, StockPathWarning
 from .module_state import passive_hook
 from .patching import apply, is_patched, skipped, unpatch
 from .path_report import CallPath, last_path
-from .release_notice import NewerReleaseWarning
+from .release_checks.release_notice import NewerReleaseWarning
 from .static_loop import graph_safe
 
 __version__ = "0.2.0"

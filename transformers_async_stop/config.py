@@ -12,7 +12,8 @@ import os
 import warnings
 import weakref
 
-from . import path_report, release_notice
+from . import path_report
+from .release_checks import release_notice
 from .call_state import active_draft
 
 FIELD = "async_stopping_criteria"

@@ -28,7 +28,7 @@ import torch
 
 from .cache_rollback import cache_blocks_deferral, cache_end, capacity
 from .config import warn_stock
-from .input_drops import drop_length
+from .release_checks.input_drops import drop_length
 
 _SIDE_STREAMS: dict[int, list] = {}
 

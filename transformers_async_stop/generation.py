@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cache_kwarg
+from .release_checks import cache_kwarg
 from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
 from .call_state import CALL, CallState, active_controller, active_draft, compiling
 from .module_state import why_stateful

@@ -11,7 +11,7 @@ import importlib
 import logging
 import threading
 
-from .targets import TARGETS, Target, present_in
+from .release_checks.targets import TARGETS, Target, present_in
 
 logger = logging.getLogger("transformers_async_stop")
 

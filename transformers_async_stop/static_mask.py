@@ -32,10 +32,10 @@ import weakref
 
 import torch
 
-from . import cache_kwarg
+from .release_checks import cache_kwarg
 from .call_state import compiling
 from .config import _mark
-from .verified import matches
+from .release_checks.verified import matches
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from .verified import matches
+from .release_checks.verified import matches
 
 # torch.isin switches to a sort-based algorithm (whose `unique` reads a device count: a blocking sync) once the
 # test set has about 10 * numel**0.145 elements; at one row that is 10 EOS ids.

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
-from .. import cache_kwarg
+from ..release_checks import cache_kwarg
 from ..controller import RngGuard
 from ..masking import _tag, _tag_of
-from ..verified import matches
+from ..release_checks.verified import matches
 from . import acceptance
 from .acceptance import HEADER, RoundBox
 from .draft import DraftRun, outer_mask_summary

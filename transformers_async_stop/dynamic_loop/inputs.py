@@ -30,7 +30,8 @@ import weakref
 
 import torch
 
-from .. import cache_kwarg, masking
+from ..release_checks import cache_kwarg
+from .. import masking
 from ..call_state import CALL
 from ..static_loop.inputs import _holds_tensor
 from . import wide_mask

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import cache_kwarg, path_report, piecewise
+from ..release_checks import cache_kwarg
+from .. import path_report, piecewise
 from ..cache_rollback import rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
 from .inputs import DecodeInputs

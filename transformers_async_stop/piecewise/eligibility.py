@@ -34,7 +34,7 @@ import sys
 import torch
 
 from ..call_state import compiling
-from ..verified import matches
+from ..release_checks.verified import matches
 from .. import graph_emulation as emulation
 
 PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"

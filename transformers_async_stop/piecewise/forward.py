@@ -31,7 +31,8 @@ import weakref
 import torch
 from transformers import masking_utils
 
-from .. import cache_kwarg, concurrency, masking
+from ..release_checks import cache_kwarg
+from .. import concurrency, masking
 from . import eligibility
 from .graphs import NotRecordable, capture_failure, record, watched_functions
 

@@ -32,7 +32,8 @@ import contextvars
 
 import torch
 
-from .. import cache_kwarg, concurrency
+from ..release_checks import cache_kwarg
+from .. import concurrency
 from ..static_loop.tail import backend_for
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)

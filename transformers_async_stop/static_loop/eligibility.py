@@ -29,8 +29,8 @@ import os
 import torch
 
 from ..step_lists import _EosMask, _plan_criterion, is_user_criterion, plan_processors
-from ..verified import matches
-from .. import cache_kwarg
+from ..release_checks.verified import matches
+from ..release_checks import cache_kwarg
 from .. import graph_emulation as emulation
 from . import processors as forms
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .. import cache_kwarg, path_report, static_mask
+from ..release_checks import cache_kwarg
+from .. import path_report, static_mask
 from ..module_state import hooked
 from ..cache_rollback import capacity, rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria

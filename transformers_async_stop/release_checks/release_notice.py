@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import warnings
 
-from . import path_report
+from .. import path_report
 
 # the newest transformers release the tables in targets/ were read against (keep in step with noxfile.TRANSFORMERS
 # and README.md, "Supported transformers releases")
@@ -49,7 +49,8 @@ def is_newer(version: tuple[int, ...]) -> bool:
 def fast_paths_off(version: tuple[int, ...] | None = None) -> list[str]:
     """The fast paths the tables expect on `version` (default: the installed release) that are off here: shortcuts
     whose installed sources are not ones they were read against, and patch targets that are missing."""
-    from . import patching, verified
+    from .. import patching
+    from . import verified
     from .targets import SHORTCUTS, TARGETS, present_in
 
     version = tuple(version or installed_version())[:2]
