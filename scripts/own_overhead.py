@@ -28,7 +28,7 @@ import transformers.generation.utils as gen_utils
 from transformers.generation.utils import GenerationMixin
 
 import transformers_async_stop  # noqa: F401  (applies the patches)
-from transformers_async_stop.call_state import CALL, CallState
+from transformers_async_stop.state.call_state import CALL, CallState
 from transformers_async_stop.controller import AsyncStop
 from transformers_async_stop.step_lists import JoiningLogitsProcessors, SideStreamCriteria
 

@@ -167,7 +167,7 @@ class FinishedBeamsSurviveTheExtraStep(unittest.TestCase):
 
         from transformers.generation.utils import GenerationMixin
 
-        from transformers_async_stop.call_state import CALL, CallState
+        from transformers_async_stop.state.call_state import CALL, CallState
 
         model = build("llama")
         batch, beams, length = 1, 2, 8

@@ -112,7 +112,7 @@ class MovedCopiesKeepTheSummary(unittest.TestCase):
         masking._tag(self.fed_mask, masking.MaskSummary(self.fed_mask), 3)
 
     def tag_of(self, tensor, inside_generate=True):
-        from transformers_async_stop.call_state import CALL, CallState
+        from transformers_async_stop.state.call_state import CALL, CallState
 
         state = None
         if inside_generate:

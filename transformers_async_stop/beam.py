@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .cache_rollback import loop_cache, why_not_rollbackable
-from .call_state import CALL, active_controller, compiling
+from .state.call_state import CALL, active_controller, compiling
 from . import path_report
 from .config import _mark, runs_stock
 from .controller import AsyncStop

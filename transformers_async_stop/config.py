@@ -14,7 +14,7 @@ import weakref
 
 from . import path_report
 from .release_checks import release_notice
-from .call_state import active_draft
+from .state.call_state import active_draft
 
 FIELD = "async_stopping_criteria"
 FORCE_ENV = "TRANSFORMERS_ASYNC_STOP_FORCE"

@@ -16,10 +16,11 @@ import torch
 
 from .release_checks import cache_kwarg
 from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
-from .call_state import CALL, CallState, active_controller, active_draft, compiling
+from .state.call_state import CALL, CallState, active_controller, active_draft, compiling
 from .module_state import why_stateful
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
-from . import concurrency, dynamic_loop, padding_check, static_loop
+from .state import concurrency
+from . import dynamic_loop, padding_check, static_loop
 from . import path_report
 from .controller import AsyncStop
 from .patching import MARKER

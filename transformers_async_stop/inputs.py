@@ -15,7 +15,7 @@ import torch
 
 from transformers.utils import is_torchdynamo_exporting
 
-from .call_state import CALL
+from .state.call_state import CALL
 from .config import _mark
 
 

@@ -33,7 +33,7 @@ import torch
 from . import static_mask
 from .cache_rollback import loop_cache
 from .kwargs_update import KwargsUpdate
-from .call_state import CALL, compiling
+from .state.call_state import CALL, compiling
 from .config import _mark, force_deferred
 
 _TAG = "_transformers_async_stop_mask"

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import threading
 
-from .call_state import CALL, compiling
+from .state.call_state import CALL, compiling
 
 logger = logging.getLogger("transformers_async_stop")
 

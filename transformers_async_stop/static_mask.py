@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from .release_checks import cache_kwarg
-from .call_state import compiling
+from .state.call_state import compiling
 from .config import _mark
 from .release_checks.verified import matches
 

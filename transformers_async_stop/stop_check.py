@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .cache_rollback import (clear_cropped_slots, contiguous_after_crop, holds_static_layers, rollback_one_step,
                              why_not_rollbackable)
-from .call_state import active_controller
+from .state.call_state import active_controller
 from .patching import MARKER
 
 

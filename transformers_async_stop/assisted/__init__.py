@@ -18,7 +18,7 @@ can forbid candidates.
 from __future__ import annotations
 
 from ..release_checks import cache_kwarg
-from ..call_state import CALL
+from ..state.call_state import CALL
 from .. import path_report
 from ..config import _mark, runs_stock, warn_stock
 from ..module_state import why_stateful

@@ -34,7 +34,7 @@ from transformers.generation.stopping_criteria import ConfidenceCriteria, Stoppi
 
 from ..release_checks import cache_kwarg
 from ..cache_rollback import why_not_rollbackable
-from ..call_state import CALL, active_draft, compiling
+from ..state.call_state import CALL, active_draft, compiling
 from ..config import _mark, warn_stock
 from ..controller import AsyncStop
 from ..masking import MaskSummary, _tag, _tag_of, _worth_it

@@ -32,7 +32,7 @@ import torch
 
 from ..release_checks import cache_kwarg
 from .. import masking
-from ..call_state import CALL
+from ..state.call_state import CALL
 from ..static_loop.inputs import _holds_tensor
 from . import wide_mask
 

@@ -33,7 +33,7 @@ import sys
 
 import torch
 
-from ..call_state import compiling
+from ..state.call_state import compiling
 from ..release_checks.verified import matches
 from .. import graph_emulation as emulation
 

@@ -32,7 +32,8 @@ import torch
 from transformers import masking_utils
 
 from ..release_checks import cache_kwarg
-from .. import concurrency, masking
+from ..state import concurrency
+from .. import masking
 from . import eligibility
 from .graphs import NotRecordable, capture_failure, record, watched_functions
 

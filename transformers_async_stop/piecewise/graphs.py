@@ -33,7 +33,7 @@ import contextvars
 import torch
 
 from ..release_checks import cache_kwarg
-from .. import concurrency
+from ..state import concurrency
 from ..static_loop.tail import backend_for
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)

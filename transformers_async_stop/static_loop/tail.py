@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from .. import concurrency
+from ..state import concurrency
 from .. import graph_emulation as emulation
 
 _CAPTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
