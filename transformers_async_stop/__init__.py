@@ -8,7 +8,7 @@ configs and models created while patched. `last_path()` says which path the last
 """
 
 from .config import FORCE_ENV, StockPathWarning
-from .module_state import passive_hook
+from .undo.module_state import passive_hook
 from .patching import apply, is_patched, skipped, unpatch
 from .path_report import CallPath, last_path
 from .release_checks.release_notice import NewerReleaseWarning

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from .cache_rollback import loop_cache, why_not_rollbackable
+from .undo.cache_rollback import loop_cache, why_not_rollbackable
 from .state.call_state import CALL, active_controller, compiling
 from . import path_report
 from .config import _mark, runs_stock
 from .controller import AsyncStop
-from .module_state import why_stateful
+from .undo.module_state import why_stateful
 from .generation import cache_is_returned, cache_out_of_sight, rollback_loop_cache, trim_recorded
 from .step_lists import ExtraStepCriteria, JoiningLogitsProcessors
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from .release_checks import cache_kwarg
-from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
+from .undo.cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
 from .state.call_state import CALL, CallState, active_controller, active_draft, compiling
-from .module_state import why_stateful
+from .undo.module_state import why_stateful
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
 from .state import concurrency
 from . import dynamic_loop, padding_check, static_loop

@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from . import static_mask
-from .cache_rollback import loop_cache
+from .undo.cache_rollback import loop_cache
 from .kwargs_update import KwargsUpdate
 from .state.call_state import CALL, compiling
 from .config import _mark, force_deferred

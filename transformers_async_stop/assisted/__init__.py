@@ -21,7 +21,7 @@ from ..release_checks import cache_kwarg
 from ..state.call_state import CALL
 from .. import path_report
 from ..config import _mark, runs_stock, warn_stock
-from ..module_state import why_stateful
+from ..undo.module_state import why_stateful
 from . import loop
 
 

@@ -33,7 +33,7 @@ import torch
 from transformers.generation.stopping_criteria import ConfidenceCriteria, StoppingCriteria, StoppingCriteriaList
 
 from ..release_checks import cache_kwarg
-from ..cache_rollback import why_not_rollbackable
+from ..undo.cache_rollback import why_not_rollbackable
 from ..state.call_state import CALL, active_draft, compiling
 from ..config import _mark, warn_stock
 from ..controller import AsyncStop

@@ -21,8 +21,8 @@ from torch.utils.hooks import RemovableHandle
 
 from ..release_checks import cache_kwarg
 from .. import path_report, static_mask
-from ..module_state import hooked
-from ..cache_rollback import capacity, rollback_one_step, why_not_rollbackable
+from ..undo.module_state import hooked
+from ..undo.cache_rollback import capacity, rollback_one_step, why_not_rollbackable
 from ..step_lists import fold_criteria
 from .inputs import StepInputs
 from .live_inputs import why_fresh

@@ -179,7 +179,7 @@ def user_code(function, cls=None) -> bool:
     code = getattr(function, "__code__", None)
     if code is None:
         return False  # a builtin or a callable object: nothing of ours to tell by
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's root (this file is in undo/)
     own = tuple(os.path.dirname(m.__file__) + os.sep for m in (transformers, torch)) + (here + os.sep,)
     where = os.path.abspath(code.co_filename)
     defined = getattr(sys.modules.get(getattr(cls, "__module__", None)), "__file__", None)
