@@ -63,9 +63,9 @@ BLOCKS = {
     "stopping criteria": "stopping_criteria.py:__call__",
     "_update_model_kwargs": "generation/utils.py:_update_model_kwargs_for_generation",
     "StopCheck/Deferred __call__": "generation/utils.py:__call__",
-    "package: processors/criteria wrappers": "transformers_async_stop/step_lists.py:__call__",
-    "package: AsyncStop.record": "transformers_async_stop/controller.py:record",
-    "package: AsyncStop.join": "transformers_async_stop/controller.py:join",
+    "package: processors/criteria wrappers": "transformers_async_stop/control/step_lists.py:__call__",
+    "package: AsyncStop.record": "transformers_async_stop/control/controller.py:record",
+    "package: AsyncStop.join": "transformers_async_stop/control/controller.py:join",
 }
 WAITS = ("method 'synchronize'", "method 'item'", "method 'is_nonzero'", "_local_scalar_dense", "built-in method bool")
 

@@ -29,8 +29,8 @@ from transformers.generation.utils import GenerationMixin
 
 import transformers_async_stop  # noqa: F401  (applies the patches)
 from transformers_async_stop.state.call_state import CALL, CallState
-from transformers_async_stop.controller import AsyncStop
-from transformers_async_stop.step_lists import JoiningLogitsProcessors, SideStreamCriteria
+from transformers_async_stop.control.controller import AsyncStop
+from transformers_async_stop.control.step_lists import JoiningLogitsProcessors, SideStreamCriteria
 
 
 class Done(StoppingCriteria):

@@ -266,7 +266,7 @@ class CudaEndurance(unittest.TestCase):
         """Measured after 200 and after 1,200 calls: a leak grows with the count, steady state does not."""
         import weakref
 
-        from transformers_async_stop import controller as stop_check
+        from transformers_async_stop.control import controller as stop_check
 
         model = build("llama", device="cuda")
         ids, mask = prompt(device="cuda")

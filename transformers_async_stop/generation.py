@@ -22,10 +22,10 @@ from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
 from .state import concurrency
 from . import dynamic_loop, padding_check, static_loop
 from . import path_report
-from .controller import AsyncStop
+from .control.controller import AsyncStop
 from .patching import MARKER
-from .peers import PeerVerdict
-from .step_lists import ExtraStepStreamer, JoiningLogitsProcessors, SideStreamCriteria
+from .control.peers import PeerVerdict
+from .control.step_lists import ExtraStepStreamer, JoiningLogitsProcessors, SideStreamCriteria
 
 
 # --- generate() ------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
 from ..release_checks import cache_kwarg
-from ..controller import RngGuard
+from ..control.controller import RngGuard
 from ..masking import _tag, _tag_of
 from ..release_checks.verified import matches
 from . import acceptance

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ..step_lists import _plan_criterion, is_user_criterion, plan_processors
+from ..control.step_lists import _plan_criterion, is_user_criterion, plan_processors
 from ..release_checks.verified import matches
 from ..release_checks import cache_kwarg
 from ..release_checks.input_drops import own_prepare

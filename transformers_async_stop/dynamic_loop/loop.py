@@ -23,7 +23,7 @@ import torch
 from ..release_checks import cache_kwarg
 from .. import path_report, piecewise
 from ..undo.cache_rollback import rollback_one_step, why_not_rollbackable
-from ..step_lists import fold_criteria
+from ..control.step_lists import fold_criteria
 from .inputs import DecodeInputs
 
 

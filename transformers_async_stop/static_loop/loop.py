@@ -23,7 +23,7 @@ from ..release_checks import cache_kwarg
 from .. import path_report, static_mask
 from ..undo.module_state import hooked
 from ..undo.cache_rollback import capacity, rollback_one_step, why_not_rollbackable
-from ..step_lists import fold_criteria
+from ..control.step_lists import fold_criteria
 from .inputs import StepInputs
 from .live_inputs import why_fresh
 from .tail import Tail, prefix

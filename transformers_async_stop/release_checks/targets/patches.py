@@ -68,7 +68,8 @@ TARGETS: tuple[Target, ...] = (
             "With synced_gpus (5.17+) the peers' all-reduce is deferred here too",
     ),
     Target(
-        "generation.utils.DeferredStopCheck", _GEN, None, "DeferredStopCheck", "stop_check:patched_deferred_class",
+        "generation.utils.DeferredStopCheck", _GEN, None, "DeferredStopCheck",
+        "control.stop_check:patched_deferred_class",
         present="5.17+", required=False,
         params=("input_ids", "max_length", "cache", "cache_is_returned", "streamer"),
         why="5.17+ builds its stop check from this module global; ours is sync-free on CUDA, not MPS-only",

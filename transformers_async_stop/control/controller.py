@@ -26,9 +26,9 @@ import warnings
 
 import torch
 
-from .undo.cache_rollback import cache_blocks_deferral, cache_end, capacity
-from .config import warn_stock
-from .release_checks.input_drops import drop_length
+from ..undo.cache_rollback import cache_blocks_deferral, cache_end, capacity
+from ..config import warn_stock
+from ..release_checks.input_drops import drop_length
 
 _SIDE_STREAMS: dict[int, list] = {}
 
@@ -270,13 +270,13 @@ class AsyncStop:
 
     def watch_positions(self, model) -> None:
         """No forward past the model's learned position table (position_table.py): counted from the cache."""
-        from .undo.position_table import table_positions
+        from ..undo.position_table import table_positions
 
         self.table = table_positions(model)
 
     def watch_hooks(self, model) -> None:
         """Read every verdict at once while a forward hook is on `model` (module_state.HookWatch)."""
-        from .undo.module_state import HookWatch
+        from ..undo.module_state import HookWatch
 
         self.hooks = HookWatch(model)
 

@@ -8,10 +8,10 @@ any other call (flag off, an assistant, another release's code path) gets upstre
 
 from __future__ import annotations
 
-from .undo.cache_rollback import (clear_cropped_slots, contiguous_after_crop, holds_static_layers, rollback_one_step,
+from ..undo.cache_rollback import (clear_cropped_slots, contiguous_after_crop, holds_static_layers, rollback_one_step,
                              why_not_rollbackable)
-from .state.call_state import active_controller
-from .patching import MARKER
+from ..state.call_state import active_controller
+from ..patching import MARKER
 
 
 def patched_deferred_class(original, target):

@@ -25,7 +25,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from .release_checks.verified import matches
+from ..release_checks.verified import matches
 
 # torch.isin switches to a sort-based algorithm (whose `unique` reads a device count: a blocking sync) once the
 # test set has about 10 * numel**0.145 elements; at one row that is 10 EOS ids.
@@ -154,7 +154,7 @@ def is_user_criterion(criterion) -> bool:
     anything stock lets it do, such as editing `input_ids[:, -1]` in place, which stock's next forward then gets (its
     input preparation slices `input_ids` after the criteria ran)."""
     module = type(criterion).__module__
-    return module != StoppingCriteriaList.__module__ and not module.startswith(__package__ + ".")
+    return module != StoppingCriteriaList.__module__ and not module.startswith(__name__.split(".")[0] + ".")
 
 
 def _last_tokens_are_eos(criterion, input_ids, kwargs):
