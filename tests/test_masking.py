@@ -12,7 +12,8 @@ import torch
 from parameterized import parameterized
 
 from models import PAD, build, prompt, stock
-from transformers_async_stop import masking, patching
+from transformers_async_stop.sync_free import masking
+from transformers_async_stop import patching
 
 CHECKS = ("masking_utils._ignore_causal_mask_sdpa", "masking_utils._ignore_bidirectional_mask_sdpa")
 
@@ -105,7 +106,7 @@ class MovedCopiesKeepTheSummary(unittest.TestCase):
     inside generate(), only as a copy of the mask generate() feeds, and only on another device."""
 
     def setUp(self):
-        from transformers_async_stop import masking
+        from transformers_async_stop.sync_free import masking
 
         self.masking = masking
         self.fed_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])

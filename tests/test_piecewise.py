@@ -30,7 +30,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, StoppingCriteria, Stoppi
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
 from transformers_async_stop.release_checks import cache_kwarg
-from transformers_async_stop import masking, piecewise
+from transformers_async_stop.sync_free import masking
+from transformers_async_stop import piecewise
 from transformers_async_stop.piecewise import eligibility, forward
 from transformers_async_stop.graph_emulation import emulated
 

@@ -37,7 +37,7 @@ from ..undo.cache_rollback import why_not_rollbackable
 from ..state.call_state import CALL, active_draft, compiling
 from ..config import _mark, warn_stock
 from ..control.controller import AsyncStop
-from ..masking import MaskSummary, _tag, _tag_of, _worth_it
+from ..sync_free.masking import MaskSummary, _tag, _tag_of, _worth_it
 from ..release_checks.verified import installed_digests, matches
 
 CONFIDENCE = "assistant confidence on the device"

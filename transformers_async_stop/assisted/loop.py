@@ -26,7 +26,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from ..release_checks import cache_kwarg
 from ..control.controller import RngGuard
-from ..masking import _tag, _tag_of
+from ..sync_free.masking import _tag, _tag_of
 from ..release_checks.verified import matches
 from . import acceptance
 from .acceptance import HEADER, RoundBox

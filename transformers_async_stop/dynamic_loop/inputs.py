@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from ..release_checks import cache_kwarg
-from .. import masking
+from ..sync_free import masking
 from ..state.call_state import CALL
 from ..static_loop.inputs import _holds_tensor
 from . import wide_mask

@@ -33,7 +33,7 @@ from transformers import masking_utils
 
 from ..release_checks import cache_kwarg
 from ..state import concurrency
-from .. import masking
+from ..sync_free import masking
 from . import eligibility
 from .graphs import NotRecordable, capture_failure, record, watched_functions
 

@@ -76,13 +76,13 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "GenerationMixin._cache_dependant_input_preparation", _GEN, "GenerationMixin",
-        "_cache_dependant_input_preparation", "inputs:patched_cache_dependant_input_preparation",
+        "_cache_dependant_input_preparation", "sync_free.inputs:patched_cache_dependant_input_preparation",
         present="4.57-5.2", required=False, params=("input_ids", "inputs_embeds", "cache_position"),
         why="`cache_position[-1] >= input_ids.shape[1]` reads a device tensor every step",
     ),
     Target(
         "GenerationMixin._update_model_kwargs_for_generation", _GEN, "GenerationMixin",
-        "_update_model_kwargs_for_generation", "masking:patched_update_model_kwargs",
+        "_update_model_kwargs_for_generation", "sync_free.masking:patched_update_model_kwargs",
         params=("outputs", "model_kwargs"),
         why="tags each grown attention mask with a host-side summary of its padding; shows the deferred loop its "
             "cache after the first forward (4.57-5.16 create it there)",
@@ -119,7 +119,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "generation.utils.create_masks_for_generate", _GEN, None, "create_masks_for_generate",
-        "static_mask:patched_create_masks_for_generate", present="4.57+", required=False,
+        "sync_free.static_mask:patched_create_masks_for_generate", present="4.57+", required=False,
         params=("config", "attention_mask", "past_key_values|cache"),  # 5.24 renames it `cache`
         why="with a static cache, ~20 kernels and a long Python chain build the same decode-step mask every step; "
             "with the flag (5.17+) a per-call plan builds it in two (`SHORTCUTS`: 'static decode mask')",
@@ -127,22 +127,22 @@ TARGETS: tuple[Target, ...] = (
     # --- the SDPA mask-skip check ----------------------------------------------------------------------------
     Target(
         "masking_utils._preprocess_mask_arguments", _MASK, None, "_preprocess_mask_arguments",
-        "masking:patched_preprocess_mask_arguments", params=("config", "attention_mask"),
+        "sync_free.masking:patched_preprocess_mask_arguments", params=("config", "attention_mask"),
         why="carries the padding summary across the `.to(torch.bool)` copy",
     ),
     Target(
         "masking_utils.prepare_padding_mask", _MASK, None, "prepare_padding_mask",
-        "masking:patched_prepare_padding_mask", params=("attention_mask", "kv_length", "kv_offset"),
+        "sync_free.masking:patched_prepare_padding_mask", params=("attention_mask", "kv_length", "kv_offset"),
         why="carries the padding summary across the right-padding to kv_length",
     ),
     Target(
         "masking_utils._ignore_causal_mask_sdpa", _MASK, None, "_ignore_causal_mask_sdpa",
-        "masking:patched_ignore_mask", params=("padding_mask",),
+        "sync_free.masking:patched_ignore_mask", params=("padding_mask",),
         why="`padding_mask.all()` / `fast_all(padding_mask)` reads a device tensor every decode step",
     ),
     Target(
         "masking_utils._ignore_bidirectional_mask_sdpa", _MASK, None, "_ignore_bidirectional_mask_sdpa",
-        "masking:patched_ignore_mask", present="5.0+", params=("padding_mask",),
+        "sync_free.masking:patched_ignore_mask", present="5.0+", params=("padding_mask",),
         why="same read, for bidirectional masks built from a tagged mask",
     ),
     # --- assisted decoding and prompt lookup (assisted/) -----------------------------------------------------

@@ -15,8 +15,8 @@ import torch
 
 from transformers.utils import is_torchdynamo_exporting
 
-from .state.call_state import CALL
-from .config import _mark
+from ..state.call_state import CALL
+from ..config import _mark
 
 
 def patched_cache_dependant_input_preparation(original, target):

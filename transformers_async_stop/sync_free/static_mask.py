@@ -32,10 +32,10 @@ import weakref
 
 import torch
 
-from .release_checks import cache_kwarg
-from .state.call_state import compiling
-from .config import _mark
-from .release_checks.verified import matches
+from ..release_checks import cache_kwarg
+from ..state.call_state import compiling
+from ..config import _mark
+from ..release_checks.verified import matches
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

@@ -31,10 +31,10 @@ import weakref
 import torch
 
 from . import static_mask
-from .undo.cache_rollback import loop_cache
+from ..undo.cache_rollback import loop_cache
 from .kwargs_update import KwargsUpdate
-from .state.call_state import CALL, compiling
-from .config import _mark, force_deferred
+from ..state.call_state import CALL, compiling
+from ..config import _mark, force_deferred
 
 _TAG = "_transformers_async_stop_mask"
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .release_checks import cache_kwarg
-from .release_checks.verified import matches
+from ..release_checks import cache_kwarg
+from ..release_checks.verified import matches
 
 
 class KwargsUpdate:
