@@ -31,8 +31,8 @@ import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
 from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.sync_free import masking
-from transformers_async_stop import piecewise
-from transformers_async_stop.piecewise import eligibility, forward
+from transformers_async_stop.graphs import piecewise
+from transformers_async_stop.graphs.piecewise import eligibility, forward
 from transformers_async_stop.graph_emulation import emulated
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
@@ -318,7 +318,7 @@ class AttentionSwap(unittest.TestCase):
     def test_the_registry_is_restored_after_an_error_and_other_callers_pass_through(self):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from transformers_async_stop.piecewise import graphs
+        from transformers_async_stop.graphs.piecewise import graphs
 
         model = build("llama")
         ids = torch.tensor([[3, 4, 5]])
@@ -343,7 +343,7 @@ class CacheUpdateCall(unittest.TestCase):
     def test_the_models_own_update_call_is_taken(self):
         from transformers import DynamicCache
 
-        from transformers_async_stop.piecewise import graphs
+        from transformers_async_stop.graphs.piecewise import graphs
 
         for family in ("llama", "mistral", "qwen2", "qwen3"):
             model = build_any(family)
@@ -358,7 +358,7 @@ class CacheUpdateCall(unittest.TestCase):
                 self.assertTrue(graphs._plain_update(extra, kwargs), (family, extra, kwargs))
 
     def test_other_update_arguments_are_refused(self):
-        from transformers_async_stop.piecewise import graphs
+        from transformers_async_stop.graphs.piecewise import graphs
 
         self.assertFalse(graphs._plain_update((), {"cache_kwargs": {"sin": 1}}))
         self.assertFalse(graphs._plain_update(({},), {}))

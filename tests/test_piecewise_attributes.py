@@ -16,7 +16,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.piecewise import eligibility, forward
+from transformers_async_stop.graphs.piecewise import eligibility, forward
 from transformers_async_stop.graph_emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)

@@ -21,8 +21,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
-from transformers_async_stop import piecewise
-from transformers_async_stop.piecewise import eligibility, forward, graphs
+from transformers_async_stop.graphs import piecewise
+from transformers_async_stop.graphs.piecewise import eligibility, forward, graphs
 from transformers_async_stop.graph_emulation import emulated
 from test_piecewise import _generate
 

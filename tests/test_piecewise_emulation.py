@@ -15,7 +15,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, build, prompt
-from transformers_async_stop.piecewise import eligibility
+from transformers_async_stop.graphs.piecewise import eligibility
 from transformers_async_stop.graph_emulation import Graph, active, emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)

@@ -25,7 +25,7 @@ from transformers.utils import logging as hf_logging
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
 from transformers_async_stop.release_checks import cache_kwarg
-from transformers_async_stop.piecewise import eligibility
+from transformers_async_stop.graphs.piecewise import eligibility
 from transformers_async_stop.graph_emulation import emulated
 from test_piecewise import _check_against_stock, _generate  # the same generate-and-draw and comparison
 

@@ -87,7 +87,7 @@ def grad_context(name):
 @contextlib.contextmanager
 def graphed_context(value):
     """The flag run's piecewise forward as drawn (`usage_dimensions._graphed`); None or `natural`: as it is."""
-    from transformers_async_stop.piecewise import PIECEWISE_ENV
+    from transformers_async_stop.graphs.piecewise import PIECEWISE_ENV
 
     if value == "emulated":
         from transformers_async_stop.graph_emulation import emulated

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..release_checks import cache_kwarg
-from .. import path_report, piecewise
+from .. import path_report
+from ..graphs import piecewise
 from ..undo.cache_rollback import rollback_one_step, why_not_rollbackable
 from ..control.step_lists import fold_criteria
 from .inputs import DecodeInputs

@@ -33,9 +33,9 @@ import sys
 
 import torch
 
-from ..state.call_state import compiling
-from ..release_checks.verified import matches
-from .. import graph_emulation as emulation
+from ...state.call_state import compiling
+from ...release_checks.verified import matches
+from ... import graph_emulation as emulation
 
 PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"
 

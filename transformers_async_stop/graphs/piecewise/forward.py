@@ -31,9 +31,9 @@ import weakref
 import torch
 from transformers import masking_utils
 
-from ..release_checks import cache_kwarg
-from ..state import concurrency
-from ..sync_free import masking
+from ...release_checks import cache_kwarg
+from ...state import concurrency
+from ...sync_free import masking
 from . import eligibility
 from .graphs import NotRecordable, capture_failure, record, watched_functions
 

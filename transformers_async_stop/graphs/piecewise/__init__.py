@@ -20,7 +20,7 @@ it captured, so every value is the eager forward's.
 
 from __future__ import annotations
 
-from .. import path_report
+from ... import path_report
 from .eligibility import PIECEWISE_ENV, why_not_model
 from .forward import PiecewiseForward
 
