@@ -194,7 +194,7 @@ def variant_of(name):
         with variant(name) as flag:
             yield flag
         return
-    from transformers_async_stop.dynamic_loop import DYNAMIC_LOOP_ENV
+    from transformers_async_stop.loops.dynamic_loop import DYNAMIC_LOOP_ENV
 
     before = os.environ.get(DYNAMIC_LOOP_ENV)
     os.environ[DYNAMIC_LOOP_ENV] = "0"

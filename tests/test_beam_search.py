@@ -27,7 +27,7 @@ from models import (
     stock,
 )
 from transformers_async_stop import StockPathWarning
-from transformers_async_stop import beam
+from transformers_async_stop.loops import beam
 
 EARLY_EOS = list(range(20, 40))  # many ids: beams finish within a few steps
 MAX_NEW = 12

@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from test_bench import run_bench
 from transformers_async_stop import StockPathWarning
-from transformers_async_stop.assisted.loop import installed_port
+from transformers_async_stop.loops.assisted.loop import installed_port
 from transformers_async_stop.bench import assisted, cases
 
 

@@ -31,8 +31,8 @@ from models import (
     prompt,
     stock,
 )
-from transformers_async_stop import dynamic_loop
-from transformers_async_stop.dynamic_loop import eligibility, inputs
+from transformers_async_stop.loops import dynamic_loop
+from transformers_async_stop.loops.dynamic_loop import eligibility, inputs
 from transformers_async_stop.release_checks.verified import matches
 
 # taken exactly where its sources were checked; every other release must fall back to the deferred path

@@ -20,7 +20,7 @@ from .state.call_state import CALL, CallState, active_controller, active_draft, 
 from .undo.module_state import why_stateful
 from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
 from .state import concurrency
-from . import dynamic_loop, static_loop
+from .loops import dynamic_loop, static_loop
 from .sync_free import padding_check
 from . import path_report
 from .control.controller import AsyncStop

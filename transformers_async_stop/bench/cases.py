@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-from ..static_loop import graph_safe
+from ..loops.static_loop import graph_safe
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("eager", "static")

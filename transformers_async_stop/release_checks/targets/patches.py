@@ -88,19 +88,19 @@ TARGETS: tuple[Target, ...] = (
             "cache after the first forward (4.57-5.16 create it there)",
     ),
     Target(
-        "GenerationMixin._beam_search", _GEN, "GenerationMixin", "_beam_search", "beam:patched_beam_search",
+        "GenerationMixin._beam_search", _GEN, "GenerationMixin", "_beam_search", "loops.beam:patched_beam_search",
         params=("input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus"),
         why="runs beam search with the lagged verdict; undoes the extra step in what it returns",
     ),
     Target(
         "GenerationMixin._beam_search_has_unfinished_sequences", _GEN, "GenerationMixin",
-        "_beam_search_has_unfinished_sequences", "beam:patched_beam_verdict",
+        "_beam_search_has_unfinished_sequences", "loops.beam:patched_beam_verdict",
         params=("is_early_stop_heuristic_unsatisfied", "is_sent_finished", "next_token_hits_stopping_criteria"),
         why="its device verdict is read by `not` every step; we answer from the previous step's",
     ),
     Target(
         "GenerationMixin._update_finished_beams", _GEN, "GenerationMixin", "_update_finished_beams",
-        "beam:patched_update_finished_beams",
+        "loops.beam:patched_update_finished_beams",
         params=("sequences", "topk_running_sequences", "beam_scores", "topk_log_probs", "beam_indices"),
         why="keeps the finished beams of the step the flag-off run stopped at, through the extra step",
     ),
@@ -114,7 +114,7 @@ TARGETS: tuple[Target, ...] = (
     ),
     Target(
         "CacheLayerMixin.reorder_cache", "transformers.cache_utils", "CacheLayerMixin", "reorder_cache",
-        "beam:patched_reorder_cache", params=("beam_idx",),
+        "loops.beam:patched_reorder_cache", params=("beam_idx",),
         why="`if self.get_seq_length() > 0` reads a static layer's device counter once per layer per beam step",
     ),
     Target(
@@ -148,26 +148,26 @@ TARGETS: tuple[Target, ...] = (
     # --- assisted decoding and prompt lookup (assisted/) -----------------------------------------------------
     Target(
         "GenerationMixin._assisted_decoding", _GEN, "GenerationMixin", "_assisted_decoding",
-        "assisted:patched_assisted_decoding",
+        "loops.assisted:patched_assisted_decoding",
         params=("input_ids", "logits_processor", "stopping_criteria", "generation_config", "synced_gpus", "streamer"),
         why="the verify loop reads the device several times per round; ours reads once per round "
             "(ported per release: `SHORTCUTS` 'assisted decoding loop (...)')",
     ),
     Target(
         "GenerationMixin._get_candidate_generator", _GEN, "GenerationMixin", "_get_candidate_generator",
-        "assisted:patched_get_candidate_generator",
+        "loops.assisted:patched_get_candidate_generator",
         params=("generation_config", "input_ids", "inputs_tensor", "logits_processor", "model_kwargs"),
         why="hands the stock loop the candidate generator the deferred path already built (its constructor runs once)",
     ),
     Target(
         "GenerationMixin._prepare_special_tokens", _GEN, "GenerationMixin", "_prepare_special_tokens",
-        "assisted.draft:patched_prepare_special_tokens",
+        "loops.assisted.draft:patched_prepare_special_tokens",
         params=("generation_config", "kwargs_has_attention_mask", "device"),
         why="three blocking H2D copies and two reads in every round's assistant generate(); made once per call there",
     ),
     Target(
         "GenerationMixin._get_logits_processor", _GEN, "GenerationMixin", "_get_logits_processor",
-        "assisted.draft:patched_get_logits_processor", params=("generation_config", "encoder_input_ids"),
+        "loops.assisted.draft:patched_get_logits_processor", params=("generation_config", "encoder_input_ids"),
         why="5.21+ reads `(encoder_input_ids < 0).any()` in every round's assistant generate(), to gate encoder "
             "processors the draft does not use",
     ),

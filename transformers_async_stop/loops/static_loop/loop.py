@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..release_checks import cache_kwarg
-from .. import path_report
-from ..sync_free import static_mask
-from ..undo.module_state import hooked
-from ..undo.cache_rollback import capacity, rollback_one_step, why_not_rollbackable
-from ..control.step_lists import fold_criteria
+from ...release_checks import cache_kwarg
+from ... import path_report
+from ...sync_free import static_mask
+from ...undo.module_state import hooked
+from ...undo.cache_rollback import capacity, rollback_one_step, why_not_rollbackable
+from ...control.step_lists import fold_criteria
 from .inputs import StepInputs
 from .live_inputs import why_fresh
 from .tail import Tail, prefix

@@ -30,9 +30,9 @@ import weakref
 
 import torch
 
-from ..release_checks import cache_kwarg
-from ..sync_free import masking
-from ..state.call_state import CALL
+from ...release_checks import cache_kwarg
+from ...sync_free import masking
+from ...state.call_state import CALL
 from ..static_loop.inputs import _holds_tensor
 from . import wide_mask
 

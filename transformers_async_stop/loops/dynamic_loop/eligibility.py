@@ -22,10 +22,10 @@ import os
 
 import torch
 
-from ..control.step_lists import _plan_criterion, is_user_criterion, plan_processors
-from ..release_checks.verified import matches
-from ..release_checks import cache_kwarg
-from ..release_checks.input_drops import own_prepare
+from ...control.step_lists import _plan_criterion, is_user_criterion, plan_processors
+from ...release_checks.verified import matches
+from ...release_checks import cache_kwarg
+from ...release_checks.input_drops import own_prepare
 
 DYNAMIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP"
 

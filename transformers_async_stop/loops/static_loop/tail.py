@@ -30,8 +30,8 @@ import warnings
 
 import torch
 
-from ..state import concurrency
-from .. import graph_emulation as emulation
+from ...state import concurrency
+from ... import graph_emulation as emulation
 
 _CAPTURE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
@@ -85,7 +85,7 @@ def backend_for(device):
 def _is_user(processor) -> bool:
     """Whether a processor is user code (it may edit `input_ids` in place); the package's forms and transformers'
     own processors (exact types) never do."""
-    from ..control.step_lists import _EosMask
+    from ...control.step_lists import _EosMask
     from .processors import forms
 
     if isinstance(processor, (_EosMask, forms._Form)):
@@ -235,7 +235,7 @@ class Tail:
     def _go_eager(self) -> None:
         """A captured processor changed mid-call: no replay from now on; the rest of the call calls the processors
         (the minimum-length ones as stock's own, which read their settings each step)."""
-        from ..control.step_lists import _EosMask
+        from ...control.step_lists import _EosMask
 
         self.capture = False
         self.processors = [p.processor if isinstance(p, _EosMask) else p for p in self.plan.processors]

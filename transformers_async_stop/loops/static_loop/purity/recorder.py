@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ... import graph_emulation as emulation
+from .... import graph_emulation as emulation
 from .snapshot import _Snapshot, _Unprovable
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep

@@ -17,11 +17,11 @@ can forbid candidates.
 
 from __future__ import annotations
 
-from ..release_checks import cache_kwarg
-from ..state.call_state import CALL
-from .. import path_report
-from ..config import _mark, runs_stock, warn_stock
-from ..undo.module_state import why_stateful
+from ...release_checks import cache_kwarg
+from ...state.call_state import CALL
+from ... import path_report
+from ...config import _mark, runs_stock, warn_stock
+from ...undo.module_state import why_stateful
 from . import loop
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sync_free import static_mask
+from ...sync_free import static_mask
 
 _ADVANCED = frozenset(("input_ids", "position_ids", "attention_mask"))
 

@@ -32,13 +32,13 @@ import types
 import torch
 from transformers.generation.stopping_criteria import ConfidenceCriteria, StoppingCriteria, StoppingCriteriaList
 
-from ..release_checks import cache_kwarg
-from ..undo.cache_rollback import why_not_rollbackable
-from ..state.call_state import CALL, active_draft, compiling
-from ..config import _mark, warn_stock
-from ..control.controller import AsyncStop
-from ..sync_free.masking import MaskSummary, _tag, _tag_of, _worth_it
-from ..release_checks.verified import installed_digests, matches
+from ...release_checks import cache_kwarg
+from ...undo.cache_rollback import why_not_rollbackable
+from ...state.call_state import CALL, active_draft, compiling
+from ...config import _mark, warn_stock
+from ...control.controller import AsyncStop
+from ...sync_free.masking import MaskSummary, _tag, _tag_of, _worth_it
+from ...release_checks.verified import installed_digests, matches
 
 CONFIDENCE = "assistant confidence on the device"
 SPECIAL_TOKENS = "assistant special tokens once per call"

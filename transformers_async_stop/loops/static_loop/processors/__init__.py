@@ -27,7 +27,7 @@ __all__ = ["AttrGuard", "LastTokens", "NoRepeatNGram", "RepetitionPenalty", "dev
 
 def guard_for_builtin(processor):
     """A maker of the guard of a processor captured by type: called when the tail first captures."""
-    from ...control.step_lists import _EosMask
+    from ....control.step_lists import _EosMask
 
     if isinstance(processor, _EosMask):
         return lambda: AttrGuard(processor.processor)

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from .undo.cache_rollback import loop_cache, why_not_rollbackable
-from .state.call_state import CALL, active_controller, compiling
-from . import path_report
-from .config import _mark, runs_stock
-from .control.controller import AsyncStop
-from .undo.module_state import why_stateful
-from .generation import cache_is_returned, cache_out_of_sight, rollback_loop_cache, trim_recorded
-from .control.step_lists import ExtraStepCriteria, JoiningLogitsProcessors
+from ..undo.cache_rollback import loop_cache, why_not_rollbackable
+from ..state.call_state import CALL, active_controller, compiling
+from .. import path_report
+from ..config import _mark, runs_stock
+from ..control.controller import AsyncStop
+from ..undo.module_state import why_stateful
+from ..generation import cache_is_returned, cache_out_of_sight, rollback_loop_cache, trim_recorded
+from ..control.step_lists import ExtraStepCriteria, JoiningLogitsProcessors
 
 
 def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | None:

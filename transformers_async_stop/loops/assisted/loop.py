@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
-from ..release_checks import cache_kwarg
-from ..control.controller import RngGuard
-from ..sync_free.masking import _tag, _tag_of
-from ..release_checks.verified import matches
+from ...release_checks import cache_kwarg
+from ...control.controller import RngGuard
+from ...sync_free.masking import _tag, _tag_of
+from ...release_checks.verified import matches
 from . import acceptance
 from .acceptance import HEADER, RoundBox
 from .draft import DraftRun, outer_mask_summary

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ...release_checks.verified import installed_digests, matches
+from ....release_checks.verified import installed_digests, matches
 from .guards import _MISSING, AttrGuard, _same
 
 

@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from ..release_checks.verified import matches
+from ...release_checks.verified import matches
 
 # the base model class of each family read: (family, modeling module, causal LM class, whether the model's mask is a
 # single full-attention one)

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from ..release_checks import cache_kwarg
-from .. import path_report
-from ..graphs import piecewise
-from ..undo.cache_rollback import rollback_one_step, why_not_rollbackable
-from ..control.step_lists import fold_criteria
+from ...release_checks import cache_kwarg
+from ... import path_report
+from ...graphs import piecewise
+from ...undo.cache_rollback import rollback_one_step, why_not_rollbackable
+from ...control.step_lists import fold_criteria
 from .inputs import DecodeInputs
 
 

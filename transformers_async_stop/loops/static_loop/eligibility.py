@@ -28,10 +28,10 @@ import os
 
 import torch
 
-from ..control.step_lists import _EosMask, _plan_criterion, is_user_criterion, plan_processors
-from ..release_checks.verified import matches
-from ..release_checks import cache_kwarg
-from .. import graph_emulation as emulation
+from ...control.step_lists import _EosMask, _plan_criterion, is_user_criterion, plan_processors
+from ...release_checks.verified import matches
+from ...release_checks import cache_kwarg
+from ... import graph_emulation as emulation
 from . import processors as forms
 
 STATIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_STATIC_LOOP"

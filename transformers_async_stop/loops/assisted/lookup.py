@@ -36,7 +36,7 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
 )
 
-from ..release_checks.verified import matches
+from ...release_checks.verified import matches
 
 SHORTCUT = "prompt lookup on the host mirror"
 _SCALES = (TemperatureLogitsWarper, RepetitionPenaltyLogitsProcessor)  # finite -> finite, -inf -> -inf
