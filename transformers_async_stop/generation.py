@@ -18,7 +18,8 @@ from .release_checks import cache_kwarg
 from .undo.cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
 from .state.call_state import CALL, CallState, active_controller, active_draft, compiling
 from .undo.module_state import why_stateful
-from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
+from .config import FIELD, _mark, check_flag, flag_of
+from .control.stock_path import runs_stock, warn_stock
 from .state import concurrency
 from .loops import dynamic_loop, static_loop
 from .sync_free import padding_check

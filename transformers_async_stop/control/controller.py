@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from ..undo.cache_rollback import cache_blocks_deferral, cache_end, capacity
-from ..config import warn_stock
+from .stock_path import warn_stock
 from ..release_checks.input_drops import drop_length
 
 _SIDE_STREAMS: dict[int, list] = {}

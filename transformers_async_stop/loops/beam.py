@@ -24,7 +24,8 @@ import torch
 from ..undo.cache_rollback import loop_cache, why_not_rollbackable
 from ..state.call_state import CALL, active_controller, compiling
 from .. import path_report
-from ..config import _mark, runs_stock
+from ..config import _mark
+from ..control.stock_path import runs_stock
 from ..control.controller import AsyncStop
 from ..undo.module_state import why_stateful
 from ..generation import cache_is_returned, cache_out_of_sight, rollback_loop_cache, trim_recorded

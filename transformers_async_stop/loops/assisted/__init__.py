@@ -20,7 +20,8 @@ from __future__ import annotations
 from ...release_checks import cache_kwarg
 from ...state.call_state import CALL
 from ... import path_report
-from ...config import _mark, runs_stock, warn_stock
+from ...config import _mark
+from ...control.stock_path import runs_stock, warn_stock
 from ...undo.module_state import why_stateful
 from . import loop
 

@@ -35,7 +35,8 @@ from transformers.generation.stopping_criteria import ConfidenceCriteria, Stoppi
 from ...release_checks import cache_kwarg
 from ...undo.cache_rollback import why_not_rollbackable
 from ...state.call_state import CALL, active_draft, compiling
-from ...config import _mark, warn_stock
+from ...config import _mark
+from ...control.stock_path import warn_stock
 from ...control.controller import AsyncStop
 from ...sync_free.masking import MaskSummary, _tag, _tag_of, _worth_it
 from ...release_checks.verified import installed_digests, matches
