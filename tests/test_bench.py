@@ -21,7 +21,7 @@ from transformers.generation.logits_process import LogitsProcessor
 
 from transformers_async_stop import bench, is_patched
 from transformers_async_stop import FORCE_ENV
-from transformers_async_stop.bench import cases, cli, gpu, measure, report, variants
+from transformers_async_stop.bench import cases, catalog, cli, gpu, measure, report, variants
 
 LOOP_RELEASES = tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2]) >= (5, 17)
 
@@ -38,7 +38,7 @@ class RecordPatched(LogitsProcessor):
 
 
 def recording_cases(seen: list) -> dict:
-    builtin = cases.builtin_cases()
+    builtin = catalog.builtin_cases()
     tiny = builtin["tiny-llama"]
 
     def extra(run, model):
@@ -218,7 +218,7 @@ class Pieces(unittest.TestCase):
         def timed_ms(model, kwargs, flag, device):  # no clock: 1 ms per token, 0.5 with the flag
             return (0.5 if flag.get("async_stopping_criteria") else 1.0) * kwargs["max_new_tokens"]
 
-        tiny = cases.builtin_cases()["tiny-llama"]
+        tiny = catalog.builtin_cases()["tiny-llama"]
         device = torch.device("cpu")
         model = tiny.build(device, torch.float32)
         run = cases.Run(tiny, "eager", 1, "greedy", 6, "fp32")
@@ -278,7 +278,7 @@ class Pieces(unittest.TestCase):
         self.assertEqual(measure.ratios({"async": [1.0]}), {})
 
     def test_variant_subset_without_stock_and_separate_host_reference(self):
-        tiny = cases.builtin_cases()["tiny-llama"]
+        tiny = catalog.builtin_cases()["tiny-llama"]
         own = {"tiny-copy": dataclasses.replace(tiny, name="tiny-copy", tiny=False)}
         with tempfile.TemporaryDirectory() as traces:
             code, result, _, _ = run_bench(["--quick", "--cases", "tiny-copy", "--modes", "static", "--variants",

@@ -160,7 +160,8 @@ def llama_1b_config() -> LlamaConfig:
                        num_key_value_heads=8, vocab_size=128256)
 
 
-def builtin_cases() -> dict[str, Case]:
+def plain_cases() -> dict[str, Case]:
+    """The built-in cases but assisted decoding's (`catalog.builtin_cases` adds those)."""
     tiny, llama_1b = tiny_llama_config(), llama_1b_config()
     return {
         "tiny-llama": Case("tiny-llama", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
@@ -174,14 +175,7 @@ def builtin_cases() -> dict[str, Case]:
                               extra=chat_config, plan=CHAT_RUNS, opt_in=True),
         "gpt2": Case("gpt2", _from_config(GPT2Config()), (1, 32), 100, 32, "fp32", pad_token_id=50256),
         "llama-1b": Case("llama-1b", _from_config(llama_1b), (1, 32), 128, 32, "bf16", pad_token_id=0),
-        **_assisted_cases(),
     }
-
-
-def _assisted_cases() -> dict[str, Case]:
-    from .assisted import assisted_cases
-
-    return assisted_cases()
 
 
 def model_case(path: str) -> Case:
