@@ -35,7 +35,7 @@ import torch
 
 from ...state.call_state import compiling
 from ...release_checks.verified import matches
-from ... import graph_emulation as emulation
+from ..backend import emulates
 
 PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"
 
@@ -172,7 +172,7 @@ def why_not_model(model, model_forward) -> str | None:
     if not matches(f"piecewise forward ({name})"):
         return f"transformers' {name} sources are not the ones read"
     device = model.get_input_embeddings().weight.device
-    if device.type != "cuda" and not emulation.emulates(device):  # emulated: CPU tests only
+    if device.type != "cuda" and not emulates(device):  # emulated: CPU tests only
         return f"not CUDA ({device.type})"
     return None
 

@@ -34,7 +34,7 @@ import torch
 
 from ...release_checks import cache_kwarg
 from ...state import concurrency
-from ...loops.static_loop.tail import backend_for
+from ..backend import backend_for
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)
 _SCALARS = (bool, int, float, str, type(None))

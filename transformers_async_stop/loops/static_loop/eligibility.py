@@ -31,7 +31,7 @@ import torch
 from ...control.step_lists import _EosMask, _plan_criterion, is_user_criterion, plan_processors
 from ...release_checks.verified import matches
 from ...release_checks import cache_kwarg
-from ... import graph_emulation as emulation
+from ...graphs.backend import emulates
 from . import processors as forms
 
 STATIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_STATIC_LOOP"
@@ -214,4 +214,4 @@ def _capturable_device(model) -> bool:
         device = model.device
     except (AttributeError, StopIteration):
         return False
-    return (device.type == "cuda" and torch.cuda.is_available()) or emulation.emulates(device)
+    return (device.type == "cuda" and torch.cuda.is_available()) or emulates(device)

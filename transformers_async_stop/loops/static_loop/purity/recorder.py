@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .... import graph_emulation as emulation
+from ....graphs.backend import emulates
 from .snapshot import _Snapshot, _Unprovable
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -239,7 +239,7 @@ class _Recorder:
             return
         device = self.input_ids.device
         # the CPU's generator is a graph's only in the tests' emulation, which replays the draw as eager makes it
-        graph_device = device.type == "cuda" or emulation.emulates(device)
+        graph_device = device.type == "cuda" or emulates(device)
         for t in tree_leaves((args, kwargs, out)):
             if isinstance(t, torch.Tensor) and (not graph_device or t.device != device):
                 name = func._schema.name.split("::")[-1]
