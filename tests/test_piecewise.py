@@ -33,7 +33,7 @@ from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.sync_free import masking
 from transformers_async_stop.graphs import piecewise
 from transformers_async_stop.graphs.piecewise import eligibility, forward
-from transformers_async_stop.graph_emulation import emulated
+from transformers_async_stop.testing.emulation import emulated
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
@@ -401,7 +401,7 @@ def _check_against_stock(test, model, ids, mask, **kwargs):
 
 
 class _GraphedForwardCases:
-    """Each case on a device: CUDA, and the CPU with the graphs emulated (`graph_emulation.py`)."""
+    """Each case on a device: CUDA, and the CPU with the graphs emulated (`testing/emulation.py`)."""
 
     DEVICE = "cuda"
 

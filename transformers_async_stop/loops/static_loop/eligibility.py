@@ -209,7 +209,7 @@ def _exact_eos(criterion) -> bool:
 
 
 def _capturable_device(model) -> bool:
-    """CUDA; or the CPU inside a test's `graph_emulation.emulated()` (the tails' captures emulated)."""
+    """CUDA; or the CPU inside a test's `testing.emulation.emulated()` (the tails' captures emulated)."""
     try:
         device = model.device
     except (AttributeError, StopIteration):

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from .graphs import backend
+from ..graphs import backend
 
 _LOCK = threading.Lock()
 _DEPTH = 0
