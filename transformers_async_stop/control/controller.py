@@ -87,7 +87,7 @@ class AsyncStop:
     """
 
     def __init__(self, input_ids: torch.Tensor, max_length: int | None, *, done_when: str, streamer=None,
-                 cache_returned: bool = False, route_a: bool = False):
+                 cache_returned: bool = False, loop_undoes_steps: bool = False):
         self.device = device = input_ids.device
         self.cuda = device.type == "cuda"
         self.max_length = max_length
@@ -96,7 +96,8 @@ class AsyncStop:
         # (a bool, stop when true) or "running" (a bool, stop when false)
         self._done_when = done_when
         self.cache_returned = cache_returned
-        self.route_a = route_a  # 5.17+ loop shape: a returned croppable cache records its past (stop_check.py)
+        # 5.17+ loop shape (`_sample` undoes the steps): a returned croppable cache records its past (stop_check.py)
+        self.loop_undoes_steps = loop_undoes_steps
         self._flags = None  # two pinned copies of the verdict, allocated at the first step
         self._views = None  # numpy views of them: reading one costs no tensor op
         self._tokens = [torch.zeros(input_ids.shape[0], dtype=torch.long, pin_memory=self.cuda)
@@ -335,7 +336,7 @@ class AsyncStop:
         if not self._first_sight(cache):
             return
         if self.cache_returned and not self.synchronous and self.steps == 0:
-            reason = cache_blocks_deferral(cache, self.route_a)
+            reason = cache_blocks_deferral(cache, self.loop_undoes_steps)
             if reason is not None:
                 self.synchronous = True
                 warn_stock(reason)

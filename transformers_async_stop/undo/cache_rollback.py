@@ -179,9 +179,9 @@ def loop_cache(model_kwargs):
     return None
 
 
-def cache_blocks_deferral(cache, route_a: bool) -> str | None:
+def cache_blocks_deferral(cache, loop_undoes_steps: bool) -> str | None:
     """Why a cache the caller will see cannot take the deferred path (None: it can)."""
     reason = why_not_rollbackable(cache)
-    if reason is None or (route_a and getattr(cache, "is_croppable", False)):
+    if reason is None or (loop_undoes_steps and getattr(cache, "is_croppable", False)):
         return None  # 5.17+ records a croppable cache's past (`activate_past_recording`) and crops it back
     return f"the returned cache cannot be rolled back by one step ({reason})"
