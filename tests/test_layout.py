@@ -113,6 +113,19 @@ class NoImportCycle(unittest.TestCase):
         self.assertIn(f"{PACKAGE}.config", edges[f"{PACKAGE}.loops.beam"])
         self.assertIn(f"{PACKAGE}.control.step_lists", edges[f"{PACKAGE}.loops.static_loop.tail"])  # in a function
 
+    def test_each_layer_imports_only_from_the_layers_below_it(self):
+        # the top-level modules (the face and the patch entry points) aside; docs/how-it-works.md lists the layers
+        order = ["release_checks", "state", "undo", "sync_free", "control", "graphs", "loops", "bench", "testing"]
+
+        def layer(name):
+            parts = name.split(".")
+            return order.index(parts[1]) if len(parts) > 2 or (len(parts) == 2 and parts[1] in order) else None
+
+        graph = import_graph(package_modules())
+        upward = sorted((name, target) for name, edges in graph.items() for target in edges
+                        if layer(name) is not None and layer(target) is not None and layer(target) > layer(name))
+        self.assertEqual(upward, [])
+
     def test_no_runtime_module_imports_the_testing_subpackage(self):
         graph = import_graph(package_modules())
         runtime = {name: edges for name, edges in graph.items() if not name.startswith(TESTING)}
