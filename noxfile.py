@@ -6,9 +6,9 @@ by hand (see `newest`).
   4.57.6, 5.0.0, 5.17.0, 5.23.0 and 5.24.0.
 - `releases`: the newest patch of every minor in between (5.1 ... 5.22), quickly: the drift test
   (tests/test_patching.py) plus the tests marked `core` (see pytest.ini). The releases share one virtualenv
-  (.nox/_releases/base: torch, accelerate, pytest, parameterized, this package) and each release is installed, with
-  its own huggingface_hub/tokenizers/..., into its own `pip install --target` directory (.nox/_releases/<version>)
-  that goes first on PYTHONPATH. One release: `nox -s "releases(transformers='5.9.0')"`.
+  (.nox/_releases/base: torch, the test dependencies, this package) and each release is installed, with its own
+  huggingface_hub/tokenizers/..., into its own `pip install --target` directory (.nox/_releases/<version>) that goes
+  first on PYTHONPATH. One release: `nox -s "releases(transformers='5.9.0')"`.
 - `floor`: the lowest torch and transformers that setup.py declares (TORCH_FLOOR, TRANSFORMERS[0]), together: the
   drift test and the core subset. Its torch comes from the package index with its CUDA libraries (about 5 GB, 5
   minutes on a 2-core machine; the CPU-only builds live on download.pytorch.org, out of reach of some CI hosts).
@@ -46,7 +46,8 @@ RELEASES = [
     "5.1.0", "5.2.0", "5.3.0", "5.4.0", "5.5.4", "5.6.2", "5.7.0", "5.8.1", "5.9.0", "5.10.4", "5.11.0",
     "5.12.1", "5.13.1", "5.14.1", "5.15.1", "5.16.1", "5.18.0", "5.19.0", "5.20.2", "5.21.1", "5.22.2",
 ]
-TEST_DEPS = ["accelerate", "pytest", "parameterized"]
+# peft: real LoRA models (tests/test_peft.py); where it does not import (an older torch, a future peft), they skip
+TEST_DEPS = ["accelerate", "pytest", "parameterized", "peft"]
 TEST_ENV = {"TRANSFORMERS_ASYNC_STOP_FORCE": "1", "HF_HUB_OFFLINE": "1"}
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
 
@@ -196,7 +197,7 @@ def _release_dir(session, python: str, version: str) -> Path:
 # --- the upstream patch series ------------------------------------------------------------------------------------
 @nox.session(venv_backend="none")
 def upstream(session):
-    """upstream/*.patch against the transformers 5.23.0 sdist from the package index: applies cleanly, the series'
-    own tests pass, and the project's equality cases give unpatched 5.23.0's outputs with the plug-in not imported.
+    """upstream/*.patch against the transformers 5.24.0 sdist from the package index: applies cleanly, the series'
+    own tests pass, and the project's equality cases give unpatched 5.24.0's outputs with the plug-in not imported.
     Its own virtualenv and work directory: .nox/_upstream (scripts/upstream_check.sh says what it does)."""
     session.run("bash", str(ROOT / "scripts" / "upstream_check.sh"), external=True)

@@ -70,7 +70,8 @@ setup(
     # it is warned about once per process, outputs exact (`release_notice.py`, `nox -s newest`).
     install_requires=["torch>=2.6", "transformers>=4.57.6,<6", "numpy"],
     extras_require={
-        "test": ["pytest", "parameterized", "accelerate"],
+        # peft: tests/test_peft.py runs real LoRA models (tested with peft 0.21.2 on transformers 4.57.6 to 5.24.0)
+        "test": ["pytest", "parameterized", "accelerate", "peft"],
         "bench": ["matplotlib"],
     },
 )

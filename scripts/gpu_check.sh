@@ -8,6 +8,9 @@
 #   profile   where a decode step's host time goes, stock / upstream / imported / async (scripts/host_profile.py)
 #   bench     the benchmark (python -m transformers_async_stop.bench), extra args passed through
 #   multi     on two GPUs: device_map, tensor parallel, synced_gpus over NCCL
+#   multi2    on two GPUs: stock vs flag ms/token, syncs per step and GPU busy per device, Llama-8B-shaped split by
+#             device_map and tensor parallel (scripts/multi_gpu_bench.py; MULTI_BENCH_ARGS, e.g. "--quick" or
+#             "--configs dm-static-b8"; T_MULTI2, default 540 s: run it alone in a call)
 #   fuzz      the differential fuzz on CUDA (TAS_FUZZ_DRAWS draws, default 200)
 #   usage     the usage fuzzer on CUDA (scripts/usage_fuzz.py, USAGE_DRAWS scenarios, default 1000), once per seed in
 #             USAGE_SEEDS (default 0; a seed repeated runs the same scenarios again, under the same load)
@@ -20,6 +23,10 @@
 #             dynamic-cache step outside the forward (scripts/host_profile.py --outside-forward)
 #   blog      the blog's experiment: a static-cache generate() inside @torch.inference_mode(), Llama-1B-shaped bf16
 #             and #43089's tiny Llama, stock / upstream / flag side by side (scripts/inference_mode_blog.py)
+#   issue31   the CUDA classes of the default-deny, peft, path-report and piecewise tests (issues 31 and 33)
+#   paired    the flag's ms/token on Llama-1B-shaped bf16 b1 DynamicCache, this tree against the earlier copy in
+#             .old/ (scripts/paired_speed.py), alternating processes, PAIRED_ROUNDS rounds (default 3)
+#   lora      the bench's llama-1b-lora case, stock vs flag (which forward a peft LoRA model gets, and its speed)
 #   all       tests,overhead,bench
 # Stage limits (seconds): T_CUDA, T_NEW, T_ASSISTED (the three pytest runs of `tests`), USAGE_TIMEOUT (per seed).
 # Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, PROFILE_VARIANTS,
@@ -76,6 +83,29 @@ for tag in ${VERSIONS:-t523}; do
     timeout "${T_ASSISTED:-200}" python3 -m pytest -q -s -p no:cacheprovider tests/test_assisted.py -k Cuda \
       > "$out/assisted_$ver.txt" 2>&1
     grep -E "CUDA syncs|passed|failed|Error|error" "$out/assisted_$ver.txt" | tail -20
+  fi
+  pack
+  if has issue31; then
+    timeout "${T_ISSUE31:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_graphed_default_deny.py \
+      tests/test_peft.py tests/test_path_report.py tests/test_piecewise.py tests/test_piecewise_families.py \
+      $(ls tests/test_redteam_default_deny.py 2>/dev/null) -k "OnCuda or Cuda or cuda" > "$out/issue31_$ver.txt" 2>&1
+    grep -E "passed|failed|^FAILED|Error" "$out/issue31_$ver.txt" | tail -25
+  fi
+  pack
+  if has paired; then
+    for r in $(seq "${PAIRED_ROUNDS:-3}"); do
+      for root in .old .; do
+        label=$( [ "$root" = . ] && echo HEAD || cat .old/COMMIT )
+        [ -d "$root/transformers_async_stop" ] && timeout 120 python3 scripts/paired_speed.py --root "$root" \
+          --label "$label" 2>/dev/null | tee -a "$out/paired_$ver.jsonl"
+      done
+    done
+  fi
+  pack
+  if has lora; then
+    timeout 240 python3 -m transformers_async_stop.bench --cases llama-1b-lora,llama-1b --modes eager --batch 1 \
+      --variants stock,async --reps "${LORA_REPS:-5}" --json "$out/lora_$ver.json" --markdown "$out/lora_$ver.md" \
+      2>"$out/lora_$ver.log" | tee "$out/lora_$ver.txt" | tail -20
   fi
   pack
   if has threads || has old; then
@@ -148,6 +178,14 @@ for tag in ${VERSIONS:-t523}; do
     timeout 400 python3 -m pytest -q -s -p no:cacheprovider tests/test_device_map.py \
       tests/test_tensor_parallel.py tests/test_distributed.py > "$out/multi_$ver.txt" 2>&1
     grep -E "SYNCS|passed|failed|Error" "$out/multi_$ver.txt" | tail -40
+  fi
+  pack
+  if has multi2; then
+    timeout "${T_MULTI2:-540}" python3 scripts/multi_gpu_bench.py ${MULTI_BENCH_ARGS:-} \
+      --json "$out/multi_bench_$ver.json" --markdown "$out/multi_bench_$ver.md" \
+      > "$out/multi_bench_$ver.txt" 2> "$out/multi_bench_$ver.log"
+    echo "--- multi2 (exit $?)"; cat "$out/multi_bench_$ver.md" 2>/dev/null
+    grep -E "FAILED|Error|skipped" "$out/multi_bench_$ver.log" | tail -5
   fi
   pack
   if has bench; then

@@ -1,8 +1,8 @@
 """ms/token, GPU busy and blocking syncs per decode step of three variants, one process each:
 
-- `stock`:   unpatched transformers 5.23.0;
-- `patched`: transformers 5.23.0 with the upstream series (upstream/*.patch), `async_stopping_criteria=True`;
-- `plugin`:  unpatched transformers 5.23.0 + `import transformers_async_stop`, `async_stopping_criteria=True`.
+- `stock`:   unpatched transformers 5.24.0 (RELEASE, the release the series targets);
+- `patched`: transformers 5.24.0 with the upstream series (upstream/*.patch), `async_stopping_criteria=True`;
+- `plugin`:  unpatched transformers 5.24.0 + `import transformers_async_stop`, `async_stopping_criteria=True`.
 
 Cases (random weights from configs, no download): a Llama-1B-shaped bf16 model with a static cache (auto-compiled on
 CUDA) at batch 1 greedy, batch 1 sampling and a left-padded batch of 8; the same model with a DynamicCache at batch 1;
@@ -17,7 +17,7 @@ syncs per step = (syncs of the N-token call - syncs of the 1-token call) / (N - 
 
     # one variant (PYTHONPATH selects the transformers): writes a JSON record
     python scripts/upstream_bench.py --variant stock --json stock.json
-    # on the GPU machine: installs the carried wheels (.whl/common, .whl/t523, .whl/upstream) into /tmp folders
+    # on the GPU machine: installs the carried wheels (.whl/common, .whl/t524, .whl/upstream) into /tmp folders
     # and runs the three variants one process each, then the table
     python3 scripts/upstream_bench.py --device-run --out "$OUT" [--cases ...] [--reps 7]
     # the table from the JSON records (several calls' records of one variant are merged)
@@ -41,6 +41,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("stock", "patched", "plugin")
+# The release the series applies to (scripts/upstream_check.sh's VERSION): every variant runs it, from carried wheels
+RELEASE = "5.24.0"
+RELEASE_WHEELS = ".whl/t524"
 # name: (model, cache mode, batch, decode)
 CASES = {
     "llama1b-static-b1": ("llama-1b", "static", 1, "greedy"),
@@ -176,6 +179,9 @@ def measure_variant(variant: str, case_names: list[str], reps: int, new_tokens: 
     cuda = device.type == "cuda"
     notes: list[str] = []
     gpu.raise_compile_limits(notes)
+    if not smoke and transformers.__version__ != RELEASE:
+        # the series is measured against the release it targets: another one would not be the same stock
+        raise SystemExit(f"{variant}: transformers {transformers.__version__}, not {RELEASE} (check the wheels)")
     configs = _configs(smoke)
     record = {"variant": variant, "transformers": transformers.__version__, "transformers_file": transformers.__file__,
               "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -303,7 +309,7 @@ def device_run(args) -> int:
         # here: the venv's own transformers for stock and plugin, the series' source tree for patched
         sites = {"stock": "", "plugin": "", "patched": args.patched_src or ""}
     else:
-        stock_site = _site("t523", [".whl/common", ".whl/t523"])
+        stock_site = _site("stock", [".whl/common", RELEASE_WHEELS])
         sites = {"stock": stock_site, "plugin": stock_site,
                  "patched": _site("upstream", [".whl/common", ".whl/upstream"])}
     files, failed = [], []

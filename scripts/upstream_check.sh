@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# The upstream patch series (upstream/*.patch) against the transformers 5.23.0 sdist, with nothing but the package
-# index: `nox -s upstream` runs this script (CI too).
+# The upstream patch series (upstream/*.patch) against the transformers 5.24.0 sdist, with nothing but the package
+# index: `nox -s upstream` runs this script (CI too). The series targets 5.24.0, the release pip installs, and does
+# not apply to 5.23.0 (5.24.0 renamed `past_key_values` to `cache` and made static layers croppable: see
+# docs/upstream-pr.md, "Which release").
 #
-#   1. downloads the 5.23.0 sdist from the package index and applies the series to it, one patch at a time, each
+#   1. downloads the 5.24.0 sdist from the package index and applies the series to it, one patch at a time, each
 #      checked with `git apply --check` first, then committed with `git am` (a patch that does not apply cleanly
 #      fails the check);
-#   2. one virtualenv (torch 2.13.0 CPU, unpatched transformers 5.23.0 from the index, pytest, parameterized),
+#   2. one virtualenv (torch 2.13.0 CPU, unpatched transformers 5.24.0 from the index, pytest, parameterized),
 #      reused while its pins stay the same; the patched transformers is installed from the patched source tree into
 #      its own `pip install --target` directory, which goes first on PYTHONPATH;
 #   3. runs the series' own tests (tests/generation/test_async_stopping_criteria.py, added by the series; they
 #      need only transformers, torch, pytest and parameterized) against the patched transformers;
-#   4. runs the project's equality cases (tests/upstream_equality.py) once against unpatched 5.23.0 and once
+#   4. runs the project's equality cases (tests/upstream_equality.py) once against unpatched 5.24.0 and once
 #      against the patched one (flag off and flag on), with the plug-in not imported, and compares them bit for bit.
 #
 # Work directory: $UPSTREAM_WORK (default .nox/_upstream). Python: $PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-VERSION=5.23.0
+VERSION=5.24.0
 TORCH=2.13.0
 PY=${PYTHON:-python3}
 WORK=${UPSTREAM_WORK:-$ROOT/.nox/_upstream}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# transformers' own generation tests, taken at run time from a git copy of the upstream repository at tag v5.23.0
-# (never copied into this repository), run on unpatched transformers 5.23.0 and on 5.23.0 with the upstream series
+# transformers' own generation tests, taken at run time from a git copy of the upstream repository at tag v5.24.0
+# (never copied into this repository), run on unpatched transformers 5.24.0 and on 5.24.0 with the upstream series
 # (upstream/*.patch), with the flag off and on (every call, the deferred stop check taken on the CPU too): all three
 # must have the same outcomes. Local only (CI has no GitHub access).
 #
@@ -10,7 +10,7 @@
 # tool gives under /work/.mirror), or TESTS_ROOT: a folder laid out like the repository's root (tests/, and
 # conftest.py, utils/, src/ where it has them), used in place (e.g. test files assembled by hand).
 # Needs scripts/upstream_check.sh to have run first (its virtualenv provides torch
-# and unpatched 5.23.0, its --target folder the patched transformers); a second virtualenv with the tests' extra
+# and unpatched 5.24.0, its --target folder the patched transformers); a second virtualenv with the tests' extra
 # dependencies is made next to it. Files: tests/generation/test_utils.py and the Llama, GPT-2, T5 and Whisper model
 # tests ($UPSTREAM_TEST_FILES overrides the list). Each run writes a JUnit XML; the end compares the two, test by test.
 set -euo pipefail
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 MIRROR=${1:?usage: $0 GIT_DIR_OF_TRANSFORMERS [pytest args...]}
 shift
-TAG=${UPSTREAM_TAG:-v5.23.0}
+TAG=${UPSTREAM_TAG:-v5.24.0}
 WORK=${UPSTREAM_WORK:-$ROOT/.nox/_upstream}
 FILES=${UPSTREAM_TEST_FILES:-tests/generation/test_utils.py tests/models/llama/test_modeling_llama.py \
 tests/models/gpt2/test_modeling_gpt2.py tests/models/t5/test_modeling_t5.py tests/models/whisper/test_modeling_whisper.py}
@@ -49,7 +49,7 @@ for file in $FILES; do [[ -f $TESTS/$file ]] || { echo "$file is not in $TESTS";
 
 # transformers' `testing` extra pins a package the index here does not have (transformers-mic): its pytest plugins
 # and test helpers are listed instead (httpx: tests/utils/test_configuration_utils.py imports it)
-DEPS="torch==2.13.0 transformers==5.23.0 accelerate pytest pytest-xdist pytest-timeout pytest-rerunfailures pytest-order
+DEPS="torch==2.13.0 transformers==5.24.0 accelerate pytest pytest-xdist pytest-timeout pytest-rerunfailures pytest-order
 pytest-asyncio pytest-env parameterized timeout-decorator httpx"
 step "the tests' virtualenv ($(echo $DEPS))"
 wanted="$("$PY" -c 'import sys; print(sys.version)') $(echo $DEPS)"
@@ -96,7 +96,7 @@ def outcomes(path):
 
 stock, patched, flag_on = (outcomes(p) for p in sys.argv[1:4])
 changed = []
-for label, found in (("stock 5.23.0", stock), ("patched 5.23.0", patched), ("patched 5.23.0, flag on", flag_on)):
+for label, found in (("stock 5.24.0", stock), ("patched 5.24.0", patched), ("patched 5.24.0, flag on", flag_on)):
     counts = {k: sum(v == k for v in found.values()) for k in ("passed", "failure", "error", "skipped")}
     print(f"{label}: {len(found)} tests: {counts['passed']} passed, {counts['failure']} failed, "
           f"{counts['error']} errors, {counts['skipped']} skipped")

@@ -11,6 +11,13 @@ a minimal scenario, printed as JSON that `--scenario '<json>'` replays. On CPU t
 scenario (threads included) instead of the drawn value: `emulated` runs the flag run under the CPU emulation of CUDA
 graphs; `--drawn-for cuda` draws the seeds as a CUDA run does (to replay a CUDA run's seeds on the CPU). The counts
 end with how many flag runs took the graphed forward in at least one call (`graphed`).
+
+`--workers N` (and any run on CUDA) runs the seeds in worker processes that report each seed as it ends. A worker
+that dies (a CUDA device-side assert ends the process's CUDA context, and every later scenario in it would fail) has
+the seed it was running counted as crashed, with its seed, and the seeds after it re-run in a fresh worker: the
+totals account for every seed (`accounted`). A test-only knob simulates such deaths on the CPU:
+TAS_USAGE_FUZZ_FAKE="3:exit,5:assert,*:pass" (seed 3 ends its process with os._exit, seed 5 reports a device-side
+assert, every other seed passes without running).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -42,19 +50,33 @@ def main():
     ap.add_argument("--graphed", default="", choices=("", "emulated", "off", "natural"),
                     help="issue 27's dimension for every scenario (default: as drawn)")
     ap.add_argument("--drawn-for", default="", help="draw the seeds for this device (default: --device)")
+    ap.add_argument("--progress", default="", help=argparse.SUPPRESS)  # a worker's per-seed report (JSON lines)
     args = ap.parse_args()
-    if args.workers > 1 and not args.scenario:
+    if not args.scenario and not args.progress and (args.workers > 1 or args.device != "cpu"):
         return _fan_out(args)
     if args.device == "cpu":
         os.environ.setdefault("TRANSFORMERS_ASYNC_STOP_FORCE", "1")
     warnings.filterwarnings("ignore")
-    import transformers
+    fake = _fake()
+    if "*" in fake:  # (test-only: every seed is faked, nothing is run or imported)
+        import types
 
-    transformers.logging.set_verbosity_error()
-    import usage_dimensions
-    import usage_runner
-    from usage_runner import check
-    from usage_scenarios import draw, dumps, shrink
+        usage_runner = types.SimpleNamespace(LAST_FORWARD=[])
+        usage_dimensions = types.SimpleNamespace(reached=lambda sc: set())
+        check = dumps = shrink = None
+        version = "fake"
+
+        def draw(seed, device):
+            return {"seed": seed}
+    else:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        version = transformers.__version__
+        import usage_dimensions
+        import usage_runner
+        from usage_runner import check
+        from usage_scenarios import draw, dumps, shrink
 
     if args.scenario:
         scenarios = [(None, json.loads(args.scenario))]
@@ -75,23 +97,39 @@ def main():
 
     counts, failures, start, cpu0 = collections.Counter(), [], time.time(), time.process_time()
     skips = collections.Counter()
-    print(f"transformers {transformers.__version__}, device {args.device}", flush=True)
+    progress = open(args.progress, "a", buffering=1) if args.progress else None
+
+    def report(**record):  # one line per event, written at once: the parent reads it after this process died
+        if progress is not None:
+            progress.write(json.dumps(record, default=str) + "\n")
+            progress.flush()
+
+    report(transformers=version)
+    print(f"transformers {version}, device {args.device}", flush=True)
     for seed, sc in scenarios:
-        status, detail = outcome(sc)
+        report(start=seed)
+        mode = fake.get(seed, fake.get("*")) if seed is not None else None
+        if mode == "exit":
+            os._exit(3)  # (test-only: a worker dying inside a scenario)
+        usage_runner.LAST_FORWARD.clear()
+        status, detail = (("crashed", "RuntimeError outside generate(): CUDA error: device-side assert triggered "
+                           "(simulated by TAS_USAGE_FUZZ_FAKE)") if mode == "assert"
+                          else ("pass", "") if mode == "pass" else outcome(sc))
         counts["drawn"] += 1
-        counts["graphed"] += any((path or "").startswith("graphed") for path in usage_runner.LAST_FORWARD)
+        graphed = any((path or "").startswith("graphed") for path in usage_runner.LAST_FORWARD)
+        counts["graphed"] += graphed
         if counts["drawn"] % 25 == 0:
             print(f"  {counts['drawn']} drawn, {time.time() - start:.0f}s: {dict(counts)}", flush=True)
         counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(status, status)] += 1
         if status == "stock_err":  # what stock raised (a high count of one reason: a dimension drawn in vain)
-            parts = detail.split(": ", 2)  # "turn T: Type: message"
-            skips[": ".join(parts[1:])[:70] if len(parts) == 3 else detail[:70]] += 1
+            skips[_skip_reason(detail)] += 1
         if status in ("fail", "crashed") and ("device-side assert" in detail or "CUDA error" in detail):
             # the process's CUDA context is gone: every later scenario would fail the same way
             print(f"FAIL seed {seed} (CUDA unusable after it, stopping): {detail[:400]}", flush=True)
             failures.append({"seed": seed, "detail": detail, "scenario": sc})
             counts["crashed"] += 1
-            break
+            report(seed=seed, status="crashed", graphed=graphed, failure=failures[-1])
+            break  # (no `done` line: the parent re-runs the seeds after this one in a fresh worker)
         if status in ("fail", "crashed"):
             print(f"FAIL seed {seed}: {detail[:2000]}", flush=True)
             small, again = sc, None
@@ -103,11 +141,16 @@ def main():
                              "shrunk_outcome": again})
             print(f"  shrunk: {dumps(small)}\n  re-run: {again[0] if again else '-'}: "
                   f"{(again[1] if again else '')[:600]}", flush=True)
-            if len(failures) >= args.max_failures:
-                print("stopping: --max-failures reached")
-                break
+        report(seed=seed, status=status, graphed=graphed, failure=failures[-1] if status in ("fail", "crashed") else None,
+               skip=detail if status == "stock_err" else None)
+        if status in ("fail", "crashed") and len(failures) >= args.max_failures:
+            print("stopping: --max-failures reached")
+            report(done=True, stopped="max_failures")
+            break
+    else:
+        report(done=True)
     elapsed = time.time() - start
-    print(f"transformers {transformers.__version__} device {args.device}: " +
+    print(f"transformers {version} device {args.device}: " +
           " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed")) +
           f" in {elapsed:.0f}s ({time.process_time() - cpu0:.0f}s of CPU)")
     for reason, n in skips.most_common(8):
@@ -118,51 +161,143 @@ def main():
               ", ".join(f"{v} {n}" for v, n in sorted(by_value.items(), key=lambda kv: -kv[1])))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"transformers": transformers.__version__, "device": args.device, "counts": counts,
+            json.dump({"transformers": version, "device": args.device, "counts": counts,
                        "seconds": elapsed, "failures": failures, "skips": skips}, f, indent=1, default=str)
     return 1 if failures else 0
 
 
+def _skip_reason(detail: str) -> str:
+    parts = detail.split(": ", 2)  # "turn T: Type: message"
+    return ": ".join(parts[1:])[:70] if len(parts) == 3 else detail[:70]
+
+
+def _fake() -> dict:
+    """The test-only TAS_USAGE_FUZZ_FAKE knob: {seed or "*": "exit" | "assert" | "pass"}."""
+    out = {}
+    for item in os.environ.get("TAS_USAGE_FUZZ_FAKE", "").split(","):
+        if ":" in item:
+            seed, mode = item.split(":", 1)
+            out[seed.strip() if seed.strip() == "*" else int(seed)] = mode.strip()
+    return out
+
+
+def _read_progress(path) -> tuple[dict, int | None, bool, str | None]:
+    """A worker's report: ({seed: record} of the seeds it finished, the seed it started and never finished, whether
+    it reached its end (`done`), the transformers version)."""
+    finished, started, done, version = {}, None, False, None
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # (a line cut short by the process's death)
+                    continue
+                if "transformers" in rec:
+                    version = rec["transformers"]
+                elif "start" in rec:
+                    started = rec["start"]
+                elif "seed" in rec:
+                    finished[rec["seed"]] = rec
+                    started = None
+                elif rec.get("done"):
+                    done = rec.get("stopped") or True
+    return finished, started, done, version
+
+
 def _fan_out(args) -> int:
-    """Run the seeds in `args.workers` processes of this script (contiguous slices), then add up their counts."""
+    """Run the seeds in `args.workers` processes of this script (interleaved slices), each reporting every seed as it
+    ends; a worker that dies (or stops at a device-side assert) has the seed it was on counted as crashed and the rest
+    of its slice re-run in a fresh worker. The totals account for every seed."""
     import subprocess
     import tempfile
 
     seeds = [int(x) for x in args.only.split(",") if x.strip()] or list(range(args.seed, args.seed + args.draws))
     tmp = tempfile.mkdtemp(prefix="usage_fuzz_")
-    procs = []
-    for w in range(args.workers):
-        part = seeds[w::args.workers]
-        if not part:
-            continue
-        out = os.path.join(tmp, f"w{w}.json")
+    pending = [seeds[w::args.workers] for w in range(args.workers) if seeds[w::args.workers]]
+    running, records, spawned, stopped, version, start = [], {}, 0, False, "?", time.time()
+
+    def spawn(part):
+        nonlocal spawned
+        out = os.path.join(tmp, f"w{spawned}.jsonl")
+        spawned += 1
         cmd = [sys.executable, os.path.abspath(__file__), "--only", ",".join(map(str, part)), "--device",
-               args.device, "--shrink", str(args.shrink), "--max-failures", str(args.max_failures), "--json", out]
+               args.device, "--shrink", str(args.shrink), "--max-failures", str(args.max_failures), "--progress", out]
         cmd += ["--graphed", args.graphed] if args.graphed else []
         cmd += ["--drawn-for", args.drawn_for] if args.drawn_for else []
-        procs.append((subprocess.Popen(cmd), out))
-    counts, failures, version, seconds = collections.Counter(), [], "?", 0.0
-    for proc, out in procs:
-        proc.wait()
-        if not os.path.exists(out):
-            counts["crashed"] += 1  # the worker itself died (a device-side assert ends a CUDA process)
-            continue
-        with open(out) as f:
-            data = json.load(f)
-        counts.update(data["counts"])
-        failures.extend(data["failures"])
-        version, seconds = data["transformers"], max(seconds, data["seconds"])
+        running.append((subprocess.Popen(cmd), part, out))
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupted)  # (`timeout` around this script: the totals so far still print)
+    try:
+        while pending or running:
+            while pending and len(running) < args.workers and not stopped:
+                spawn(pending.pop(0))
+            if stopped:
+                pending.clear()
+            done_now = [r for r in running if r[0].poll() is not None]
+            if not done_now:
+                time.sleep(0.2)
+                continue
+            for item in done_now:
+                running.remove(item)
+                proc, part, out = item
+                finished, killer, done, got = _read_progress(out)
+                version = got or version
+                records.update(finished)
+                if killer is not None:
+                    records[killer] = {"seed": killer, "status": "crashed", "graphed": False, "failure": {
+                        "seed": killer, "scenario": None,
+                        "detail": f"the worker died (exit code {proc.returncode}) running this seed"}}
+                    print(f"FAIL seed {killer}: its worker died (exit code {proc.returncode}); the seeds after it "
+                          f"run in a fresh worker", flush=True)
+                rest = [s for s in part if s not in records]
+                if done == "max_failures":
+                    stopped = True
+                elif rest and not done:
+                    if not finished and killer is None:  # died before its first seed: the seeds cannot be run
+                        for s in rest:
+                            records[s] = {"seed": s, "status": "crashed", "graphed": False, "failure": {
+                                "seed": s, "scenario": None, "detail": f"no worker could start (exit code "
+                                                                      f"{proc.returncode})"}}
+                    else:
+                        pending.append(rest)
+    except KeyboardInterrupt:
+        for proc, _, _ in running:
+            proc.kill()
+        for proc, part, out in running:
+            proc.wait()
+            records.update(_read_progress(out)[0])
+        print("interrupted: the totals below count the seeds that ended")
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    counts, skips = collections.Counter(), collections.Counter()
+    for rec in records.values():
+        counts["drawn"] += 1
+        counts["graphed"] += bool(rec.get("graphed"))
+        counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(rec["status"],
+                                                                                        rec["status"])] += 1
+        if rec.get("skip"):
+            skips[_skip_reason(rec["skip"])] += 1
+    counts["not_run"] = len(set(seeds) - set(records))  # (--max-failures reached, or interrupted)
+    failures = [records[s]["failure"] for s in seeds if s in records and records[s].get("failure")]
     print(f"TOTAL transformers {version} device {args.device} workers {args.workers}: " +
-          " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed")) +
-          f" (slowest worker {seconds:.0f}s)")
+          " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed",
+                                                "not_run")) +
+          f" accounted={counts['drawn'] + counts['not_run']}/{len(seeds)} respawned={spawned - len(seeds[:args.workers])}"
+          f" in {time.time() - start:.0f}s")
+    for reason, n in skips.most_common(8):
+        print(f"  skipped {n}: stock raised {reason}")
     for f in failures:
         scenario = json.dumps(f.get("shrunk") or f["scenario"], sort_keys=True)
         print(f"FAILED seed {f['seed']}: {f['detail'][:1500]}\n  {scenario}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"transformers": version, "device": args.device, "counts": counts, "failures": failures}, fh,
+            json.dump({"transformers": version, "device": args.device, "counts": counts, "failures": failures,
+                       "skips": skips, "seeds": {s: records[s]["status"] for s in seeds if s in records}}, fh,
                       indent=1, default=str)
-    return 1 if failures or counts["crashed"] else 0
+    return 1 if failures or counts["crashed"] or counts["not_run"] else 0
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ class QuickBenchmark(unittest.TestCase):
             elif run["mode"] == "static":
                 expected = "deferred, static loop, tail eager"
             else:
-                expected = "deferred, dynamic loop"
+                expected = "deferred, dynamic loop, forward eager: not CUDA (cpu)"  # no graphs on the CPU
             self.assertEqual(paths["async"], expected, run["label"])
         self.assertIn("deferred", self.stdout.split("path")[1])
 
@@ -180,6 +180,21 @@ class QuickBenchmark(unittest.TestCase):
         for position in range(len(names)):  # over k reps, each variant takes each position once
             self.assertEqual(sorted(o[position] for o in orders[:len(names)]), sorted(names))
         self.assertEqual(orders[len(names):], orders[:len(names)])
+
+
+class Help(unittest.TestCase):
+    def test_help_lists_every_case_with_what_it_runs(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit) as exited:
+            bench.main(["--help"])
+        self.assertEqual(exited.exception.code, 0)
+        lines = out.getvalue().splitlines()
+        for name, case in cases.builtin_cases().items():
+            self.assertTrue(case.about, f"{name} has no description")
+            opt_in = "(opt-in) " if case.opt_in else ""
+            listed = [line for line in lines if line.split()[:1] == [name]]
+            self.assertEqual(len(listed), 1, name)
+            self.assertTrue(listed[0].endswith(f"  {opt_in}{case.about}"), listed[0])
 
 
 class Pieces(unittest.TestCase):
@@ -294,6 +309,37 @@ class Pieces(unittest.TestCase):
         self.assertIsNotNone(ref["ms_per_token"])
         self.assertIn("separately", ref["source"])
         self.assertTrue(is_patched())
+
+
+
+def _peft_imports() -> bool:
+    try:
+        import peft  # noqa: F401
+    except Exception:  # noqa: BLE001 (missing, or a release that does not import with this torch/transformers)
+        return False
+    return True
+
+
+@unittest.skipUnless(_peft_imports(), "needs peft (the [test] extra)")
+class LoraCase(unittest.TestCase):
+    def test_the_lora_case_is_opt_in_and_runs_tiny_on_cpu_equal_to_stock(self):
+        builtin = cases.builtin_cases()
+        self.assertTrue(builtin["llama-1b-lora"].opt_in)
+        model = builtin["llama-1b-lora"].build(torch.device("cpu"), torch.float32)
+        self.assertEqual(model.config.hidden_size, cases.tiny_llama_config().hidden_size)  # tiny on the CPU
+        lora_b = [p for name, p in model.named_parameters() if "lora_B" in name]
+        self.assertEqual(len(lora_b), len(cases.LORA_TARGETS))  # every projection of its one layer
+        self.assertTrue(all(bool(p.abs().sum()) for p in lora_b), "a zero B is a no-op adapter")
+        del model
+        code, result, _, _ = run_bench(["--cases", "llama-1b-lora", "--variants", "stock,async", "--reps", "1",
+                                        "--new-tokens", "6"], builtin)
+        self.assertEqual(code, 0)
+        (run,) = [r for r in result["runs"] if r["case"] == "llama-1b-lora"]
+        self.assertEqual(run["label"], "llama-1b-lora eager b1")
+        self.assertIsNone(run["error"])
+        self.assertIs(run["variants"]["async"]["exact"], True)
+        if LOOP_RELEASES:
+            self.assertIn("dynamic loop", run["variants"]["async"]["path"])
 
 
 if __name__ == "__main__":

@@ -68,9 +68,10 @@ def _run(model, ids, mask, criterion, flag, sampling, device, **kw):
 class CriteriaEditsEqualStock(unittest.TestCase):
     device = "cpu"
 
-    def _compare(self, loop, make_criterion, sampling, **kw):
-        model = build("llama", device=self.device)
-        ids, mask = prompt(batch=3, left_pad=True, device=self.device)
+    def _compare(self, loop, make_criterion, sampling, model=None, ids=None, mask=None, **kw):
+        if model is None:
+            model = build("llama", device=self.device)
+            ids, mask = prompt(batch=3, left_pad=True, device=self.device)
         with stock():
             ref = _run(model, ids, mask, make_criterion(), None, sampling, self.device, **kw)
         with mock.patch.dict(os.environ, LOOPS[loop]):
@@ -92,6 +93,18 @@ class CriteriaEditsEqualStock(unittest.TestCase):
         eos = eos_ids_finishing_at(model, ids, mask, [3, None, None])
         ref = self._compare(loop, lambda: LastTokenIs(5), sampling, max_new_tokens=10, eos_token_id=eos)
         self.assertIsInstance(ref[0][0], str, "stock raises at the step after the broadcast verdict")
+
+    @parameterized.expand([(loop, sampling, batch) for loop in LOOPS for sampling in (False, True)
+                           for batch in (1, 3)])
+    def test_a_batch_by_one_verdict_that_stops_with_eos_stops_as_stock(self, loop, sampling, batch):
+        # issue 31 (fuzzer seed 1620): every row stops at the first step on a (batch, 1) verdict; stock stops there,
+        # and the extra step transformers' own loop ran ahead multiplied its tokens by the (batch, batch)
+        # `unfinished_sequences` and raised at `torch.cat` ('got 2 and 3')
+        model = build("llama", device=self.device)
+        ids, mask = prompt(batch=batch, left_pad=True, device=self.device)
+        ref = self._compare(loop, lambda: LastTokenIs(1), sampling, max_new_tokens=6, eos_token_id=[PAD + 1],
+                            model=model, ids=ids, mask=mask)
+        self.assertEqual(ref[0][0].shape[1], ids.shape[1] + 1, "stock stops after one step")
 
     @parameterized.expand([(loop, sampling) for loop in LOOPS for sampling in (False, True)])
     @pytest.mark.core

@@ -166,7 +166,9 @@ class TransformersOwnHooksKeepTheDeferredPath(unittest.TestCase):
                               async_stopping_criteria=True)
         self.assertTrue(torch.equal(plain, fast))
         self.assertNotEqual(tas.last_path().path, "immediate", tas.last_path().describe())
-        self.assertNotIn("hook", tas.last_path().describe())
+        # the path's reason blames no hook (the dynamic loop's forward may: the piecewise forward refuses these hooks,
+        # `last_path().forward` "eager: a hook on LlamaDecoderLayer")
+        self.assertNotIn("hook", tas.last_path().reason or "", tas.last_path().describe())
 
 
 class PassiveHooksKeepTheFastPath(unittest.TestCase):

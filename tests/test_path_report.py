@@ -15,8 +15,14 @@ import transformers_async_stop as tas
 from transformers_async_stop import CallPath, StockPathWarning, last_path
 
 from models import PAD, TRANSFORMERS_VERSION, build, prompt
+from transformers_async_stop.loops.assisted.loop import installed_port
+from transformers_async_stop.testing.emulation import emulated
+from transformers_async_stop.graphs.piecewise import eligibility
 
 LOOP_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
+PIECEWISE_RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the piecewise forward's releases
+# the forced CPU run's dynamic loop keeps the eager forward, and says so
+CPU_DYNAMIC = "deferred, dynamic loop, forward eager: not CUDA (cpu)"
 
 
 def _greedy(model, ids, mask, **kw):
@@ -62,7 +68,7 @@ class LastPath(unittest.TestCase):
         loop = "dynamic" if LOOP_RELEASES else None  # the dynamic-cache loop is 5.17+ too
         self.assertEqual(last_path(), CallPath(path="deferred", reason=None, tail=None, graphs=0, method="greedy",
                                                loop=loop))
-        self.assertEqual(last_path().describe(), "deferred, dynamic loop" if loop else "deferred")
+        self.assertEqual(last_path().describe(), CPU_DYNAMIC if loop else "deferred")
 
     def test_a_call_the_dynamic_loop_does_not_take_reports_transformers_loop(self):
         self.model.generate(self.ids, attention_mask=self.mask, max_new_tokens=4, pad_token_id=PAD,
@@ -137,7 +143,7 @@ class Logger(unittest.TestCase):
             _greedy(model, ids, mask)  # does not ask: no line
             with mock.patch.dict(os.environ, {tas.FORCE_ENV: "0"}):
                 _greedy(model, ids, mask, async_stopping_criteria=True)
-        deferred = "deferred, dynamic loop" if LOOP_RELEASES else "deferred"
+        deferred = CPU_DYNAMIC if LOOP_RELEASES else "deferred"
         self.assertEqual(logs.output, [f"INFO:transformers_async_stop:generate() [greedy]: {deferred}",
                                        "INFO:transformers_async_stop:generate() [greedy]: stock: CPU"])
 
@@ -155,7 +161,8 @@ class OnCuda(unittest.TestCase):
 
     def test_greedy_with_a_dynamic_cache_is_deferred(self):
         _greedy(self.model, self.ids, self.mask, async_stopping_criteria=True)
-        self.assertEqual(last_path().describe(), "deferred, dynamic loop" if LOOP_RELEASES else "deferred")
+        graphed = "deferred, dynamic loop, forward graphed (3 pieces)"  # 2 layers: 2 attentions, 3 pieces between
+        self.assertEqual(last_path().describe(), graphed if LOOP_RELEASES else "deferred")
 
     @unittest.skipUnless(LOOP_RELEASES, "the static-cache loop is taken on transformers 5.17+")
     def test_a_static_cache_takes_the_static_loop_with_its_tail_captured(self):
@@ -174,7 +181,102 @@ class OnCuda(unittest.TestCase):
         self.assertEqual(last_path().describe(), "deferred, static loop, tail eager")
 
 
+class NeverStopHookAt(StoppingCriteria):
+    """Never stops; registers a no-op forward hook on the model's first layer when the sequence reaches `length`."""
+
+    def __init__(self, model, length):
+        self.model, self.length, self.handle = model, length, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if input_ids.shape[1] == self.length and self.handle is None:
+            self.handle = self.model.model.layers[0].register_forward_hook(lambda *args: None)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+@unittest.skipUnless(PIECEWISE_RELEASES, "the piecewise forward's releases (5.17-5.24)")
+@mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "1"})
+class TheForwardIsNamed(unittest.TestCase):
+    """describe() and the INFO line say whether the dynamic loop's decode forward replayed from graphs or ran eagerly
+    (CUDA graphs emulated on the CPU, `testing/emulation.py`)."""
+
+    def setUp(self):
+        self.enterContext(emulated())
+        self.model = build("llama")
+        self.ids, self.mask = prompt(batch=1)
+
+    def _logged(self, model, ids, mask, **kw):
+        with self.assertLogs("transformers_async_stop", "INFO") as logs:
+            _greedy(model, ids, mask, max_new_tokens=6, async_stopping_criteria=True, **kw)
+        return [line for line in logs.output if "generate()" in line]
+
+    def test_a_graphed_forward_says_graphed_with_its_pieces(self):
+        logged = self._logged(self.model, self.ids, self.mask)
+        self.assertTrue(last_path().forward.startswith("graphed (3 pieces): "), last_path().forward)
+        described = "deferred, dynamic loop, forward graphed (3 pieces)"
+        self.assertEqual(last_path().describe(), described)
+        self.assertEqual(logged, [f"INFO:transformers_async_stop:generate() [greedy]: {described}"])
+
+    def test_a_padded_qwen3_batch_says_eager_and_why(self):
+        from test_piecewise import build_any
+
+        ids, mask = prompt(batch=3, left_pad=True)
+        logged = self._logged(build_any("qwen3"), ids, mask)
+        # the loop grows no 4D mask for Qwen3: the model builds it from the padded 2D mask inside its forward
+        described = "deferred, dynamic loop, forward eager: a padded 2D mask (the model builds its 4D mask this step)"
+        self.assertEqual(last_path().describe(), described)
+        self.assertEqual(logged, [f"INFO:transformers_async_stop:generate() [greedy]: {described}"])
+
+    def test_a_hook_registered_before_the_call_says_eager_and_where(self):
+        handle = self.model.model.layers[0].register_forward_hook(lambda *args: None)
+        self.addCleanup(handle.remove)
+        logged = self._logged(self.model, self.ids, self.mask)
+        # a hook the call sees from its start: each verdict is read at once (the report says why), and no replay
+        self.assertTrue(last_path().describe().endswith("; forward eager: a hook on LlamaDecoderLayer"),
+                        last_path().describe())
+        self.assertEqual(logged, [f"INFO:transformers_async_stop:generate() [greedy]: {last_path().describe()}"])
+
+    def test_a_hook_added_mid_call_counts_the_eager_steps(self):
+        criterion = NeverStopHookAt(self.model, self.ids.shape[1] + 2)
+        try:
+            _greedy(self.model, self.ids, self.mask, max_new_tokens=6, async_stopping_criteria=True,
+                    stopping_criteria=StoppingCriteriaList([criterion]))
+        finally:
+            criterion.handle.remove()
+        forward = last_path().forward
+        self.assertRegex(forward, r"^graphed \(3 pieces\): \d+ decode steps; \d+ eager: a hook was added$")
+        eager = forward.split("; ")[1].split(" ")[0]
+        self.assertTrue(last_path().describe().endswith(
+            f"forward graphed (3 pieces), {eager} steps eager: a hook was added"), last_path().describe())
+
+    @unittest.skipUnless(installed_port() is not None, "this release's assisted decoding loop runs stock")
+    def test_an_assisted_call_names_its_drafts_forward_and_keeps_its_method(self):
+        logged = self._logged(self.model, self.ids, self.mask, assistant_model=build("llama", seed=3))
+        path = last_path()
+        self.assertEqual((path.path, path.method), ("deferred", "assisted"))  # not the draft's greedy
+        self.assertTrue(path.forward.startswith("draft graphed (3 pieces): "), path.forward)
+        described = "deferred, draft forward graphed (3 pieces)"
+        self.assertEqual(path.describe(), described)
+        self.assertEqual(logged, [f"INFO:transformers_async_stop:generate() [assisted]: {described}"])
+
+
 class Describe(unittest.TestCase):
+    def test_the_dynamic_loops_forward_is_named_short(self):
+        def described(forward, path="deferred"):
+            return CallPath(path, loop="dynamic" if path == "deferred" else None, forward=forward).describe()
+
+        self.assertEqual(described("graphed (17 pieces): 127 decode steps"),
+                         "deferred, dynamic loop, forward graphed (17 pieces)")
+        self.assertEqual(described("graphed (17 pieces): 124 decode steps; 3 eager: a hook was added"),
+                         "deferred, dynamic loop, forward graphed (17 pieces), 3 steps eager: a hook was added")
+        self.assertEqual(described("graphed (17 pieces): 126 decode steps; 1 eager: training mode"),
+                         "deferred, dynamic loop, forward graphed (17 pieces), 1 step eager: training mode")
+        self.assertEqual(described("eager: sliding-window attention"),
+                         "deferred, dynamic loop, forward eager: sliding-window attention")
+        self.assertEqual(described("draft eager: not CUDA (cpu)"), "deferred, dynamic loop, draft forward eager: "
+                                                                   "not CUDA (cpu)")
+        self.assertEqual(described("eager: a hook on LlamaMLP", path="immediate"),
+                         "immediate; forward eager: a hook on LlamaMLP")
+
     def test_the_captured_static_loop_names_its_graphs(self):
         self.assertEqual(CallPath("static loop", tail="captured", graphs=2).describe(),
                          "deferred, static loop, tail captured (2 graphs)")

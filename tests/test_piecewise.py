@@ -228,7 +228,7 @@ class ReportedOnTheCpu(unittest.TestCase):
             ref = model.generate(ids, attention_mask=mask, **kwargs)
         out = model.generate(ids, attention_mask=mask, async_stopping_criteria=True, **kwargs)
         self.assertTrue(torch.equal(ref, out))
-        self.assertEqual(tas.last_path().describe(), "deferred, dynamic loop")
+        self.assertEqual(tas.last_path().describe(), "deferred, dynamic loop, forward eager: not CUDA (cpu)")
         self.assertEqual(tas.last_path().forward, "eager: not CUDA (cpu)")
 
     def test_off_by_default_says_how_to_turn_it_on(self):

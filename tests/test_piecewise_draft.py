@@ -85,7 +85,8 @@ class DraftOnTheCpu(unittest.TestCase):
             verdicts.clear()
             with mock.patch.object(forward.PiecewiseForward, "_step", noted), \
                     mock.patch.object(forward, "record", refused), \
-                    mock.patch.object(piecewise, "why_not_model", lambda model, model_forward: None):
+                    mock.patch.object(piecewise, "why_not_model", lambda model, model_forward: None), \
+                    mock.patch.object(forward.eligibility, "why_not_model", lambda model, model_forward: None):
                 _check_against_stock(self, self.target, self.helper, self.ids, max_new_tokens=10, do_sample=sample)
             self.assertEqual(tas.last_path().forward, "draft eager: not recordable: refused by the test")
             self.assertTrue(verdicts)

@@ -25,6 +25,7 @@ from transformers import GenerationConfig
 from models import TRANSFORMERS_VERSION, stock
 
 import usage_dimensions
+import usage_module_draws
 import usage_runner
 from usage_runner import check
 import usage_scenarios
@@ -42,12 +43,29 @@ def _seeds() -> list[int]:
     return list(range(first, first + int(os.environ.get("TAS_USAGE_DRAWS", "80"))))
 
 
+def _user_module_seeds(after: int) -> list[int]:
+    """Issue 31: per user-module form, the first seed after `after` drawing it on the graphed forward (emulated on the
+    CPU), where a recording would bake the user's module in."""
+    wanted, out, seed = set(usage_module_draws.FORMS), [], after + 1
+    while wanted and seed < after + 5000:
+        sc = draw(seed, DEVICE)
+        form = sc.get("user_module", {}).get("form")
+        if form in wanted and sc.get("graphed") in ("emulated", "natural"):
+            wanted.discard(form)
+            out.append(seed)
+        seed += 1
+    return out
+
+
 def _topped_up(seeds: list[int]) -> list[int]:
-    """The default slice, plus the first later seed reaching each of issue 25's dimension values that the slice's
-    seeds miss (a few seeds: the slice reaches every value whatever the draw rates)."""
+    """The default slice, plus the first later seed reaching each of issue 25's (and 31's) dimension values that the
+    slice's seeds miss (a few seeds: the slice reaches every value whatever the draw rates), plus one graphed seed per
+    user-module form."""
     if os.environ.get("TAS_USAGE_ONLY", "").strip() or not seeds:
         return seeds
-    missing = usage_dimensions.every_value(DEVICE).difference(*(usage_dimensions.reached(draw(s, DEVICE)) for s in seeds))
+    seeds = seeds + [s for s in _user_module_seeds(seeds[-1]) if s not in seeds]
+    every = usage_dimensions.every_value(DEVICE) | usage_module_draws.every_value()
+    missing = every.difference(*(usage_dimensions.reached(draw(s, DEVICE)) for s in seeds))
     extra, seed = [], seeds[-1] + 1
     while missing and seed < seeds[-1] + 5000:
         got = usage_dimensions.reached(draw(seed, DEVICE)) & missing
@@ -99,9 +117,9 @@ class DrawsCoverUsage(unittest.TestCase):
             self.assertTrue(any(key in t for t in turns), key)
         self.assertTrue(any(t.get("max_length_extra", 1) <= 0 for t in turns))
         new_procs = set(usage_dimensions.NEW_PROCESSORS) | {"builtin"}
-        self.assertEqual({p["kind"] for t in turns for p in t["processors"]} - {"graph_safe_liar"},
+        self.assertEqual({p["kind"] for t in turns for p in t["processors"]} - {"graph_safe_liar", "module_op"},
                          set(PROCESSORS) | new_procs)
-        self.assertEqual({c["kind"] for t in turns for c in t["criteria"]},
+        self.assertEqual({c["kind"] for t in turns for c in t["criteria"]} - {"module_op"},
                          set(CRITERIA) | set(usage_dimensions.NEW_CRITERIA))
         raises = [c for t in turns for c in t["processors"] + t["criteria"] if c["kind"] == "raise"]
         self.assertEqual({bool(c.get("interrupt")) for c in raises}, {True, False}, "no KeyboardInterrupt drawn")
@@ -140,11 +158,40 @@ class DrawsCoverUsage(unittest.TestCase):
                 for key in ("batch", "prompt_len", "feed", "embeds", "max_new_tokens", "streamer", "return_dict"):
                     self.assertEqual(old.get(key), new.get(key), (seed, key))
                 kinds = [p["kind"] for p in new["processors"]
-                         if p["kind"] not in usage_dimensions.NEW_PROCESSORS and p["kind"] != "builtin"]
+                         if p["kind"] not in usage_dimensions.NEW_PROCESSORS and p["kind"] not in ("builtin", "module_op")]
                 self.assertEqual([p["kind"] for p in old["processors"]], kinds, seed)
 
     def test_draws_are_reproducible(self):
         self.assertEqual(draw(12345, DEVICE), draw(12345, DEVICE))
+
+
+class UserModulesAreDrawn(unittest.TestCase):
+    """Issue 31's `user_module` dimension: every form, store and change is drawn, as plain data."""
+
+    CASES = [draw(seed, DEVICE) for seed in range(2000)]
+
+    def test_every_user_module_value_is_drawn_several_times(self):
+        counts = collections.Counter(v for sc in self.CASES for v in usage_module_draws.reached(sc))
+        rare = {v: counts[v] for v in usage_module_draws.every_value() if counts[v] < 3}
+        self.assertEqual(rare, {}, "user-module values drawn fewer than 3 times in 2000 draws")
+
+    def test_every_change_of_every_form_is_drawn_between_and_during_calls(self):
+        reached = set().union(*(usage_module_draws.ops_reached(sc) for sc in self.CASES))
+        self.assertEqual(usage_module_draws.every_op() - reached, set())
+
+    def test_the_ci_slice_runs_every_form_on_the_graphed_forward(self):
+        if os.environ.get("TAS_USAGE_ONLY", "").strip():
+            self.skipTest("a custom slice")
+        graphed = {draw(s, DEVICE)["user_module"]["form"] for s in SEEDS
+                   if "user_module" in draw(s, DEVICE) and draw(s, DEVICE).get("graphed") in ("emulated", "natural")}
+        self.assertEqual(set(usage_module_draws.FORMS) - graphed, set())
+
+    def test_user_module_scenarios_are_plain_data(self):
+        import json
+
+        for sc in self.CASES:
+            if "user_module" in sc:
+                self.assertEqual(json.loads(dumps(sc)), sc)
 
 
 class Issue25DimensionsTakeEffect(unittest.TestCase):

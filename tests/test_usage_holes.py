@@ -136,6 +136,29 @@ class UsageHoles(unittest.TestCase):
         self.assert_as_stock(scenario(cache, [turn(max_new_tokens=12, eos=[17], processors=procs, criteria=crits)],
                                       seed=0, room="roomy"))
 
+    # --- issue 31 (fuzzer seed 1620): a criterion answering (batch, 1) at the step where stock stops ---------------
+    @parameterized.expand([(f"{cache}_b{batch}_{dtype}", cache, batch, dtype)
+                           for cache in ("returned_static", "none") for batch in (1, 3) for dtype in ("bool", "long")])
+    def test_a_column_verdict_at_the_stopping_step(self, _, cache, batch, dtype):
+        # stock's `unfinished & ~is_done` broadcasts to (batch, batch); it stops at this step (the Python-bool
+        # criterion), and its next step, which the flag ran ahead, would multiply the tokens into that shape:
+        # `torch.cat` raised 'Tensors must have same number of dimensions: got 2 and 3' (the stock-loop path taken
+        # with inputs_embeds and a returned static cache)
+        crits = [{"kind": "python_bool", "at": 0},
+                 {"kind": "edit_ids", "role": "criterion", "col": -1, "at": 1, "every": True,
+                  "ret": {"dtype": dtype, "shape": "col"}}]
+        one = turn(batch=batch, prompt_len=2, user_len=1, embeds=True, eos=[36], max_new_tokens=2, criteria=crits,
+                   return_dict=cache != "none")
+        self.assert_as_stock(scenario(cache, [one], seed=1620))
+
+    def test_a_column_verdict_that_does_not_stop_raises_as_stock(self):
+        # stock goes on to its next step, whose `torch.cat` raises: the flag raises the same there
+        crits = [{"kind": "edit_ids", "role": "criterion", "col": -1, "at": 5, "ret": {"dtype": "bool",
+                                                                                       "shape": "col"}}]
+        one = turn(batch=2, prompt_len=2, user_len=1, embeds=True, eos=[36], max_new_tokens=4, criteria=crits,
+                   return_dict=True)
+        self.assert_as_stock(scenario("returned_static", [one], seed=1620), may_raise=True)
+
 
 @unittest.skipUnless(CUDA, "CUDA only")
 class UsageHolesCuda(UsageHoles):

@@ -1,7 +1,7 @@
 """The project's equality cases, run against a transformers with the upstream series (upstream/*.patch) applied and the
-plug-in NOT imported, and compared with unpatched transformers 5.23.0 (scripts/upstream_check.sh runs it).
+plug-in NOT imported, and compared with unpatched transformers 5.24.0 (scripts/upstream_check.sh runs it).
 
-    python tests/upstream_equality.py run OUT.pt             # unpatched 5.23.0: stock only
+    python tests/upstream_equality.py run OUT.pt             # unpatched 5.24.0: stock only
     python tests/upstream_equality.py run OUT.pt --patched   # patched: flag off and flag on
     python tests/upstream_equality.py compare STOCK.pt PATCHED.pt
 
@@ -119,7 +119,7 @@ def _cases(models, equivalence):
     yield "llama/beam_search", model, ids, mask, dict(
         max_new_tokens=12, eos_token_id=eos, num_beams=2, return_dict_in_generate=True, output_scores=True)
     yield "llama/user_dynamic_cache", model, ids, mask, dict(
-        max_new_tokens=12, eos_token_id=eos, past_key_values=lambda: DynamicCache(config=model.config),
+        max_new_tokens=12, eos_token_id=eos, user_cache=lambda: DynamicCache(config=model.config),
         return_dict_in_generate=True)
 
     class Recorder(BaseStreamer):
@@ -162,15 +162,22 @@ def _cases(models, equivalence):
         max_new_tokens=10, eos_token_id=greedy[:, 3].tolist(), return_dict_in_generate=True, output_scores=True)
 
 
+def _cache_argument() -> str:
+    """generate()'s name for a cache: `cache` since 5.24 (`past_key_values` is deprecated there), before it
+    `past_key_values`."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
 def _call(models, model, ids, mask, kwargs, flag):
     """One generate() call of a case: its output, the RNG draw after it, forward calls, extra records."""
     from transformers import LogitsProcessorList
 
     kwargs = dict(kwargs)
     extra = {}
-    if callable(kwargs.get("past_key_values")):
-        kwargs["past_key_values"] = kwargs["past_key_values"]()
-        extra["cache"] = kwargs["past_key_values"]
+    if "user_cache" in kwargs:
+        extra["cache"] = kwargs[_cache_argument()] = kwargs.pop("user_cache")()
     if isinstance(kwargs.get("streamer"), type):
         kwargs["streamer"] = streamer = kwargs["streamer"]()
         extra["streamed"] = streamer.values

@@ -18,6 +18,7 @@ from transformers import LogitsProcessor, MinNewTokensLengthLogitsProcessor, Sto
 from transformers.generation.streamers import BaseStreamer
 
 from adversarial_helpers import Boom, InnerGenerate, Interrupt
+import usage_modules
 import usage_mutators
 from models import VOCAB
 from usage_mutators import shaped
@@ -208,6 +209,8 @@ class Context:
 
 def make_processor(spec, ctx, eos, prompt_len):
     kind = spec["kind"]
+    if kind == "module_op":  # issue 31: a change to the user's module, mid-call
+        return usage_modules.op_callback(spec, ctx, "processor")
     new = usage_mutators.make(spec, ctx, "processor")
     if new is not None:
         return new
@@ -223,6 +226,8 @@ def make_processor(spec, ctx, eos, prompt_len):
 
 
 def make_criterion(spec, ctx):
+    if spec["kind"] == "module_op":
+        return usage_modules.op_callback(spec, ctx, "criterion")
     return usage_mutators.make(spec, ctx, "criterion") or Crit(spec, ctx)
 
 

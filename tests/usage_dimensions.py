@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import random
 
+import usage_module_draws
+
 VOCAB = 48
 ROPE_TYPES = {"dynamic": 3, "longrope": 3, "yarn": 2, "llama3": 2}
 NEW_PROCESSORS = {"hidden": 4, "width": 3, "mutator": 3, "edit_ids": 1}
@@ -177,12 +179,14 @@ def add(sc: dict, device: str) -> None:
                     # broadcasts it and returns
                     turn["eos"] = None
     _graphed(sc, device)
+    usage_module_draws.add(sc, device)  # issue 31's user modules (their own random stream)
 
 
 def candidates(sc: dict, variant):
     """Simpler variants of `sc` along these dimensions (for usage_scenarios.shrink)."""
     if sc.get("graphed") in ("emulated", "natural"):  # (a failure that stays with the path off is not the path's)
         yield variant(lambda s: s.__setitem__("graphed", "off"))
+    yield from usage_module_draws.candidates(sc, variant)
     for key in ("grad", "rope"):
         if key in sc:
             yield variant(lambda s, key=key: s.pop(key))
@@ -235,7 +239,7 @@ def reached(sc: dict) -> set:
                 out.add(f"edit_ids:criterion:{c['col']}")
             if "ret" in c:
                 out.update(("ret_shape:" + c["ret"]["shape"], "ret_dtype:" + c["ret"]["dtype"]))
-    return out
+    return out | usage_module_draws.reached(sc)
 
 
 def every_value(device: str = "cpu") -> set:

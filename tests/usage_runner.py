@@ -31,6 +31,7 @@ import transformers_async_stop as tas
 
 from adversarial_helpers import Boom, Interrupt, cache_state, config_cache, judge_model, static_cache
 from models import PAD, build, stock
+import usage_modules
 import usage_mutators
 from usage_callbacks import Context, KeepingStreamer, make_criterion, make_processor, observed
 from usage_mutators import Mutator
@@ -180,7 +181,7 @@ def _model(sc, device, model_seed, shared=False):
     run starts from the built model."""
     dtype = sc.get("dtype", "float32")
     mutates = any(t.get("before") or any(c["kind"] == "mutator" for c in t["processors"] + t["criteria"])
-                  for t in sc["turns"])
+                  for t in sc["turns"]) or bool(sc.get("user_module"))  # (issue 31: a user module changes it)
     # an emulated graphed scenario (issue 27) too: transformers keeps the output-capturing hooks a call asking for
     # hidden states installed on a shared model, and every later scenario's graphed forward would step aside there
     # (not for two threads: they share the cached model, and each thread's scenario runs with `shared`)
@@ -220,10 +221,19 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
                  measure=False) -> Result:
     model = _model(sc, device, model_seed, shared=not rng_draws)  # (no RNG draws: two threads, one model maybe)
     judge = judge_of(device)  # built before the seed: building it reseeds the RNG
-    result = Result()
-    result.measure = measure
     if reset:
         _fresh(model)
+    user = usage_modules.install(sc, model, device)  # issue 31: the user's own modules (None: none drawn)
+    try:
+        return _turns(sc, flag, device, rooms, rng_draws, measure, model if user is None else user.model, judge, user)
+    finally:
+        if user is not None:
+            user.close()  # (torch's backend settings and the module globals put back)
+
+
+def _turns(sc, flag, device, rooms, rng_draws, measure, model, judge, user) -> Result:
+    result = Result()
+    result.measure = measure
     torch.manual_seed(sc["seed"])
     if rng_draws:  # (two threads share Python's RNG and the callbacks' globals: their scenarios draw none)
         random.seed(sc["seed"])
@@ -270,6 +280,7 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
         eos_list = None if eos is None else [2] if eos == "config" else eos
         ctx.cache, ctx.eos, ctx.prompt_len = cache, eos_list, ids.shape[1]
         ctx.alias_probe = bool(turn.get("alias_probe"))
+        ctx.user = user
         procs = [make_processor(s, ctx, eos_list, ids.shape[1]) for s in turn["processors"]]
         ctx.processors = procs
         crits = [make_criterion(s, ctx) for s in turn["criteria"]]
@@ -295,7 +306,10 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
         try:
             if before is not None:
                 before.apply()  # the caller changes something between two calls
-            with graphed_context(sc.get("graphed") if flag else None):  # issue 27: the flag run's graphed forward
+            if user is not None:
+                user.before(turn)
+            with graphed_context(sc.get("graphed") if flag else None), \
+                    (user.around(turn) if user is not None else contextlib.nullcontext()):  # issue 27 / 31
                 out, err, modes, path = _call(model, None if turn["embeds"] else ids, kwargs, turn.get("in_thread"),
                                               flag and via == "model_config", turn.get("grad", sc.get("grad")))
         finally:
@@ -313,6 +327,8 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
             entry["modules"] = _module_state(model)
         if before is not None:
             entry["before"] = _norm(before.observe())
+        if user is not None:
+            entry["user"] = _norm(user.observe())
         if ctx.alias_probe:
             entry["alias"] = _aliases(out, procs + crits, streamer)
         if rng_draws:

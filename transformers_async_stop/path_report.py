@@ -16,7 +16,7 @@ import logging
 import threading
 
 from .config import FIELD
-from .state.call_state import CALL, compiling
+from .state.call_state import CALL, active_draft, compiling
 
 logger = logging.getLogger("transformers_async_stop")
 
@@ -50,22 +50,39 @@ class CallPath:
     graphs: int = 0
     method: str | None = None
     loop: str | None = None
-    # the dynamic loop's decode forward: "graphed (N pieces): ..." (`piecewise/`) or "eager: <why>"; None elsewhere
+    # the dynamic loop's decode forward: "graphed (N pieces): ..." (`piecewise/`) or "eager: <why>", an assisted
+    # call's draft forward "draft graphed ..." or "draft eager: <why>"; None elsewhere. describe() gives it short
     forward: str | None = dataclasses.field(default=None, compare=False)  # a detail: reports compare without it
     notice: str | None = None  # this transformers release was not checked: the fast paths off (`release_notice`)
 
     def describe(self) -> str:
-        """One line: "deferred, static loop, tail captured (2 graphs)", "stock: CPU", "stock: flag off"."""
+        """One line: "deferred, static loop, tail captured (2 graphs)", "deferred, dynamic loop, forward graphed
+        (17 pieces)", "deferred, dynamic loop, forward eager: <why>", "stock: CPU", "stock: flag off"."""
         if self.path == "stock":
             return f"stock: {_short(self.reason)}" if self.reason else "stock"
         if self.path == "immediate":
-            return f"immediate: {self.reason}" if self.reason else "immediate"
+            immediate = f"immediate: {self.reason}" if self.reason else "immediate"
+            return f"{immediate}; {_forward(self.forward)}" if self.forward else immediate
         if self.path == "static loop":
             tail = f", tail {self.tail}" if self.tail else ""
             if self.graphs:
                 tail += f" ({self.graphs} graph{'s' if self.graphs != 1 else ''})"
             return f"deferred, static loop{tail}" + (f"; left its plan: {self.reason}" if self.reason else "")
-        return "deferred, dynamic loop" if self.loop == "dynamic" else "deferred"
+        deferred = "deferred, dynamic loop" if self.loop == "dynamic" else "deferred"
+        return f"{deferred}, {_forward(self.forward)}" if self.forward else deferred
+
+
+def _forward(forward: str) -> str:
+    """`CallPath.forward`, short: "forward graphed (17 pieces)", "forward graphed (17 pieces), 3 steps eager: a hook
+    was added", "forward eager: <why>"; an assistant's "draft forward ...". The count of replayed steps is left to
+    `forward` (`piecewise.forward.PiecewiseForward._note` writes it)."""
+    draft, text = ("draft ", forward[len("draft "):]) if forward.startswith("draft ") else ("", forward)
+    if text.startswith("graphed"):
+        # "graphed (P pieces): N decode steps", and where some steps ran eagerly "; E eager: <why>"
+        graphed, _, steps = text.partition(": ")
+        count, _, why = steps.partition("; ")[2].partition(" eager: ")
+        text = f"{graphed}, {count} step{'s' if count != '1' else ''} eager: {why}" if why else graphed
+    return f"{draft}forward {text}"
 
 
 def _short(reason: str) -> str:
@@ -127,9 +144,16 @@ def _current() -> CallPath | None:
     return None if compiling() else _CURRENT.get()
 
 
+def _own() -> CallPath | None:
+    """The call's report for its own decisions: an assistant's draft inside a deferred assisted call has no report,
+    and its decoding method's choices (its greedy or sample, its loop's verdicts) are not the assisted call's; only
+    its forward is told there (`piecewise.forward_for`)."""
+    return None if active_draft() is not None else _current()
+
+
 def decided(method: str, stock_reason: str | None, deferred: bool) -> None:
     """A decoding method chose its loop (`stock_path.runs_stock`)."""
-    report = _current()
+    report = _own()
     if report is None:
         return
     report.method = method
@@ -142,14 +166,14 @@ def decided(method: str, stock_reason: str | None, deferred: bool) -> None:
 
 def stock(reason: str | None) -> None:
     """A method that had chosen the deferred path handed the call to the stock loop after all."""
-    report = _current()
+    report = _own()
     if report is not None:
         report.path, report.reason = "stock", reason
 
 
 def warned(reason: str) -> None:
     """A `StockPathWarning` was given: its reason explains a stock call that has none yet."""
-    report = _current()
+    report = _own()
     if report is None:
         return
     if report.path == "stock" and report.reason in (None, FLAG_OFF):
@@ -160,7 +184,7 @@ def warned(reason: str) -> None:
 
 def deferred_loop(ctl) -> None:
     """A deferred loop returned: "immediate" if its controller read every verdict at once."""
-    report = _current()
+    report = _own()
     if report is not None and report.path == "deferred" and getattr(ctl, "synchronous", False):
         report.path = "immediate"
         report.reason = (report.reason or getattr(ctl, "why_synchronous", None)

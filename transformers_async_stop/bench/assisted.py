@@ -50,11 +50,16 @@ def cases_with_prefix(prefix: str, config, new_tokens: int, prompt_len: int, dty
                   opt_in=True)
     return {
         f"{prefix}-draft": Case(f"{prefix}-draft", _with_quiet_deep_layers(build), extra=_draft_extras("shared"),
-                                plan=tuple(("eager", d) for d in DECODES), **common),
+                                plan=tuple(("eager", d) for d in DECODES), **common,
+                                about=f"assisted decoding, a {DRAFT_LAYERS}-layer draft made of the target's own "
+                                      "first layers; greedy and sampling"),
         f"{prefix}-copy": Case(f"{prefix}-copy", build, extra=_draft_extras("copy"), plan=(("eager", "greedy"),),
-                               **common),
+                               **common, about="assisted decoding, the target drafting for itself (every draft "
+                                               "token accepted), greedy"),
         f"{prefix}-lookup": Case(f"{prefix}-lookup", _echo(build), extra=_lookup_extras,
-                                 plan=(("eager", "greedy"),), **common),
+                                 plan=(("eager", "greedy"),), **common,
+                                 about="prompt lookup on a target that repeats its prompt's n-grams (the lookup's "
+                                       "bound), greedy"),
     }
 
 

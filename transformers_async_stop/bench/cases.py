@@ -11,6 +11,8 @@ a dynamic-cache run:
   `graph_safe`), greedy, batch 1;
 - `chat-tiny`, `chat-llama-1b`: the generation config many chat checkpoints ship (sampling, temperature 0.7,
   top_p 0.9, top_k 50, repetition_penalty 1.1), on the tiny Llama and on a Llama-1B-shaped bf16 model, batch 1.
+`llama-1b-lora` is the Llama-1B-shaped bf16 model with a peft LoRA adapter (r=16 on every projection, random non-zero
+B), greedy, batch 1, DynamicCache: the path and speed a LoRA user gets (needs peft: `pip install peft`).
 `tiny-llama` stays what the docs' tables measured: the same tiny model with a plain second softmax declared
 `graph_safe`. Which path each variant took, and whether its tail was captured, is the report's `path` column
 (`transformers_async_stop.last_path()`).
@@ -110,6 +112,7 @@ class Case:
     # the case's own (mode, decode) runs instead of every mode plus the extras (assisted decoding: eager only)
     plan: tuple[tuple[str, str], ...] | None = None
     opt_in: bool = False  # run only when named in --cases
+    about: str = ""  # one line on what the case runs (`--help` lists it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +152,32 @@ def _from_checkpoint(path: str) -> Callable[[torch.device, torch.dtype], torch.n
     return build
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_RANK = 16
+
+
+def _with_lora(config) -> Callable[[torch.device, torch.dtype], torch.nn.Module]:
+    """A peft model (`get_peft_model`, peft's defaults otherwise) over the model of `config`: a LoRA adapter of rank
+    LORA_RANK on every projection, B drawn like the model's own weights (peft's default B is zero: a no-op adapter).
+    Llama-1B-shaped on CUDA; on the CPU the tiny Llama, so that the case runs there too."""
+    def build(device, dtype):
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError as exc:
+            raise RuntimeError("the LoRA case needs peft: pip install peft") from exc
+        model = _from_config(config if device.type == "cuda" else tiny_llama_config())(device, dtype)
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK,
+                                                 target_modules=list(LORA_TARGETS)))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=model.config.initializer_range)
+        return model.eval()
+
+    return build
+
+
 def tiny_llama_config() -> LlamaConfig:
     """The tiny Llama of transformers issue #43089."""
     return LlamaConfig(vocab_size=256, hidden_size=16, intermediate_size=64, num_hidden_layers=1,
@@ -165,16 +194,29 @@ def plain_cases() -> dict[str, Case]:
     tiny, llama_1b = tiny_llama_config(), llama_1b_config()
     return {
         "tiny-llama": Case("tiny-llama", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
-                           extra=issue_43089_extras),
+                           extra=issue_43089_extras,
+                           about="the 1-layer Llama of #43089, greedy b1, a never-firing criterion and a graph_safe "
+                                 "softmax (the docs' tables)"),
         # the cases users run (opt-in: name them in --cases); each has a static and a dynamic-cache run
         "issue-43089": Case("issue-43089", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
-                            extra=issue_43089_as_written, opt_in=True),
+                            extra=issue_43089_as_written, opt_in=True,
+                            about="transformers #43089's script as written (its processor and criterion, nothing "
+                                  "declared graph_safe), greedy b1"),
         "chat-tiny": Case("chat-tiny", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
-                          extra=chat_config, plan=CHAT_RUNS, opt_in=True),
+                          extra=chat_config, plan=CHAT_RUNS, opt_in=True,
+                          about="a chat checkpoint's sampling config (temperature 0.7, top-p 0.9, top-k 50, "
+                                "repetition penalty 1.1) on the tiny Llama, b1"),
         "chat-llama-1b": Case("chat-llama-1b", _from_config(llama_1b), (1,), 128, 32, "bf16", pad_token_id=0,
-                              extra=chat_config, plan=CHAT_RUNS, opt_in=True),
-        "gpt2": Case("gpt2", _from_config(GPT2Config()), (1, 32), 100, 32, "fp32", pad_token_id=50256),
-        "llama-1b": Case("llama-1b", _from_config(llama_1b), (1, 32), 128, 32, "bf16", pad_token_id=0),
+                              extra=chat_config, plan=CHAT_RUNS, opt_in=True,
+                              about="the same chat sampling config on a Llama-1B-shaped bf16 model, b1"),
+        "gpt2": Case("gpt2", _from_config(GPT2Config()), (1, 32), 100, 32, "fp32", pad_token_id=50256,
+                     about="GPT-2 (124M shape), greedy b1 and b32"),
+        "llama-1b": Case("llama-1b", _from_config(llama_1b), (1, 32), 128, 32, "bf16", pad_token_id=0,
+                         about="a Llama-1B-shaped bf16 model, greedy b1 and b32 (CUDA with 8 GiB)"),
+        "llama-1b-lora": Case("llama-1b-lora", _with_lora(llama_1b), (1,), 128, 32, "bf16", pad_token_id=0,
+                              plan=(("eager", "greedy"),), opt_in=True,
+                              about="the Llama-1B-shaped bf16 model with a peft LoRA adapter (r=16 on every "
+                                    "projection), greedy b1 DynamicCache (tiny on CPU; needs peft)"),
     }
 
 

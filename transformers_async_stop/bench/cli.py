@@ -52,12 +52,12 @@ QUICK_REPS = 3
 REPS = 7
 
 
-def parse_args(argv):
+def parse_args(argv, cases: dict[str, Case] | None = None):
+    cases = builtin_cases() if cases is None else cases
     p = argparse.ArgumentParser(prog="python -m transformers_async_stop.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", help="comma list of: tiny-llama, gpt2, llama-1b (default: all that fit the device; "
-                                   "tiny only on CPU and with --quick); opt-in: llama-1b-draft, llama-1b-copy, "
-                                   "llama-1b-lookup (assisted decoding, prompt lookup)")
+                                epilog=cases_help(cases), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", help="comma list of the cases below (default: every case not marked opt-in that fits "
+                                   "the device; the tiny ones only on CPU and with --quick)")
     p.add_argument("--modes", help="comma list of: eager, static (default: both)")
     p.add_argument("--variants", help=f"comma list of: {', '.join(VARIANTS)} (default: all; upstream needs "
                                       "transformers 5.17+, floor needs CUDA)")
@@ -92,6 +92,16 @@ def parse_args(argv):
     return args
 
 
+def cases_help(cases: dict[str, Case]) -> str:
+    """`--help`'s list of the cases, one line each: the docs are not where a user running the command looks."""
+    width = max(map(len, cases), default=0)
+    lines = [f"  {name:<{width}}  {'(opt-in) ' if case.opt_in else ''}{case.about}".rstrip()
+             for name, case in cases.items()]
+    return ("cases (--cases): each on a DynamicCache and a static cache, assisted decoding and prompt lookup on a\n"
+            "DynamicCache only; the sample, left-padded and beam runs go to llama-1b, else to tiny-llama\n"
+            + "\n".join(lines))
+
+
 def _int_list(text: str) -> tuple[int, ...]:
     values = tuple(int(x) for x in text.split(",") if x.strip())
     if not values or min(values) < 1:
@@ -123,7 +133,7 @@ class Progress:
 
 def main(argv=None, cases: dict[str, Case] | None = None) -> int:
     """Run the benchmark; `cases` replaces the built-in cases (tests pass their own). Returns the exit code."""
-    args = parse_args(argv)
+    args = parse_args(argv, cases)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with _forced_on_cpu(device):
         return _main(args, argv, cases, device)

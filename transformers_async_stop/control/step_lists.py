@@ -218,10 +218,18 @@ class SideStreamCriteria(_CallCriteria):
                 ctl.allow_side(_loop_unfinished(sys._getframe(1), input_ids))
             ctl.to_side(input_ids, scores)
         if self._plan is None:
-            return super().__call__(input_ids, scores, **kwargs)
-        is_done = fold_criteria(self._plan, input_ids.shape[-1], lambda: input_ids, scores, ctl, kwargs)
-        if is_done is None:
-            is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            is_done = super().__call__(input_ids, scores, **kwargs)
+        else:
+            is_done = fold_criteria(self._plan, input_ids.shape[-1], lambda: input_ids, scores, ctl, kwargs)
+            if is_done is None:
+                is_done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if not ctl.synchronous and isinstance(is_done, torch.Tensor) and is_done.shape != (input_ids.shape[0],):
+            # a criterion answering (batch, 1): stock's `unfinished & ~is_done` becomes (batch, batch), and with EOS
+            # ids its next step multiplies the tokens into that shape and raises at `torch.cat`. Where stock stops
+            # at this step, an extra step run ahead would raise first: each verdict is read at once from here on
+            ctl.synchronous = True
+            ctl.why_synchronous = ("a criterion's verdict changed the shape of unfinished_sequences: each verdict "
+                                   "is read at once (an extra step would broadcast its tokens to that shape)")
         return is_done
 
 

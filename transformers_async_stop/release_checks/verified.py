@@ -96,6 +96,11 @@ def matches(name: str) -> bool:
     return result
 
 
+def sources_of(name: str) -> frozenset:
+    """The upstream sources ("module:Qual.name") the shortcut `name` was read against."""
+    return frozenset(_BY_NAME[name].sources)
+
+
 def _resolve(source: str):
     """"module:Qual.name" -> the object."""
     import importlib

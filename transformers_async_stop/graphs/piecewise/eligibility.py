@@ -15,7 +15,11 @@ change with the length or the step (the sources behind `targets.SHORTCUTS` "piec
 - every parameter and buffer a plain tensor on the model's one CUDA device: no `device_map` across devices, no
   tensor parallelism (DTensor parameters, `tp_size`), no process group, no quantized weights (`hf_quantizer`), no
   meta (offloaded) tensors;
-- a forward that is the model's own `__call__` (not compiled), and a `DynamicCache` of `DynamicLayer`s.
+- a forward that is the model's own `__call__` (not compiled), and a `DynamicCache` of `DynamicLayer`s;
+- default-deny (`proven.py`): every module of the model is one of the family's classes whose sources were read and
+  digested, or one of torch's own modules on a short list, with no instance-level override; a user module, a peft
+  adapter layer, a wrapper or a subclass anywhere keeps the forward eager, named in the reason. The torch functions the
+  forward's code looks up must be torch's own.
 Everything else keeps the eager forward, and `last_path().forward` says why.
 
 Gemma 3 in its released configs, and Gemma 2, never get here: their layers alternate sliding-window and full attention
@@ -34,8 +38,10 @@ import sys
 import torch
 
 from ...state.call_state import compiling
-from ...release_checks.verified import matches
+from ...release_checks.verified import matches, sources_of
 from ..backend import emulates
+from . import proven
+from .graphs import watched_functions
 
 PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"
 
@@ -171,6 +177,14 @@ def why_not_model(model, model_forward) -> str | None:
         return why
     if not matches(f"piecewise forward ({name})"):
         return f"transformers' {name} sources are not the ones read"
+    # default-deny: every module's class read and digested (or one of torch's own on the list), and the torch
+    # functions the forward's code looks up torch's own (`proven.py`)
+    why = proven.why_unread(model, sources_of(f"piecewise forward ({name})"))
+    if why is not None:
+        return why
+    why = proven.why_foreign_functions(watched_functions(model, module))
+    if why is not None:
+        return why
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda" and not emulates(device):  # emulated: CPU tests only
         return f"not CUDA ({device.type})"

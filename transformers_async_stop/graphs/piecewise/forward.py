@@ -11,8 +11,10 @@ model's own) where it cannot replay:
   attention implementation other than SDPA: the rest of the call runs eagerly;
 - threads: while another thread is inside `generate()`, the step runs eagerly (the graphs and their buffers serve one
   forward at a time);
-- the key of the recording (batch size, dtypes, device, mask kind, `logits_to_keep`, the matmul precision flags a
-  captured kernel was chosen under): a new key records once (at most `MAX_KEYS` per model, least recently used out).
+- default-deny: the model is proven (`proven.py`) before each recording, and every module's class is compared before
+  each replay (a class swapped mid-call makes the recordings stale, and the model is proven again);
+- the key of the recording (batch size, dtypes, device, mask kind, `logits_to_keep`, every torch setting a captured
+  kernel was chosen under: `settings.py`): a new key records once (at most `MAX_KEYS` per model, least recently used out).
 A family whose base forward starts with `warn_if_padding_and_no_attention_mask` (GPT-2: without a mask it checks the
 step's ids for the pad token and warns once) has that check run before each replay, as its forward runs it.
 Recordings are kept per model in a `WeakKeyDictionary` whose values hold no reference to the model: they are freed
@@ -34,7 +36,7 @@ from transformers import masking_utils
 from ...release_checks import cache_kwarg
 from ...state import concurrency
 from ...sync_free import masking
-from . import eligibility
+from . import eligibility, settings
 from .graphs import NotRecordable, capture_failure, record, watched_functions
 
 MAX_KEYS = 4  # recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
@@ -54,6 +56,8 @@ class ModelGraphs:
         self.entries: list = []  # (owner dict, name, object): every submodule, parameter and buffer as recorded
         self.functions: list = []  # (namespace, name, object): the torch names the replayed Python looks up
         self._columns: tuple = ([], [], [])  # `entries` as three lists
+        self.modules: list = []  # every module of the model as recorded, and its class (`module.__class__ = X`)
+        self.classes: list = []
         self.tensors: list = []
         self.pointers: list = []
         self.pool = None
@@ -64,11 +68,14 @@ class ModelGraphs:
         self.functions = []
         self.entries, self.tensors, self.pointers = [], [], []
         self._columns = ([], [], [])
+        self.modules, self.classes = [], []
         self.pool = None
 
     def snapshot(self, model) -> None:
         entries, tensors = [], []
-        for module in model.modules():
+        self.modules = list(model.modules())
+        self.classes = list(map(type, self.modules))
+        for module in self.modules:
             for name, child in module._modules.items():
                 entries.append((module._modules, name, child))
             for table in (module._parameters, module._buffers):
@@ -91,6 +98,8 @@ class ModelGraphs:
             return True
         if any(table.get(name) is not value for table, name, value in self.functions):
             return True
+        if list(map(type, self.modules)) != self.classes:
+            return True  # a class swapped under the recording (`module.__class__ = Subclass`)
         return list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
 
 
@@ -137,8 +146,18 @@ class PiecewiseForward:
         self.model, self.eager, self.report = model, model_forward, report
         self.draft = draft  # an assistant's draft loop: batch 1 only, reported with a "draft " prefix
         self.graphs = graphs_of(model)
+        self.family = eligibility.family_of(model)
+        self._watch()
+        self.device = model.get_input_embeddings().weight.device
+        self.off = None  # why the rest of the call runs eagerly
+        self.replayed = self.eager_steps = 0
+        self.last_eager = None
+
+    def _watch(self) -> None:
+        """What the per-step checks read, from the model as it is now (again after a change was found and the model
+        proven again: a module added mid-call is watched from then on)."""
+        model, family = self.model, self.family
         base = eligibility.base_of(model)
-        self.family = family = eligibility.family_of(model)
         self.modules = family.attentions(base, model.config)
         every = list(model.modules())
         self.hook_tables = [table for module in every for table in (
@@ -148,10 +167,6 @@ class PiecewiseForward:
         rebound = eligibility.watched(model, sys.modules[type(base).__module__], family)
         self.rebound = tuple(map(list, zip(*rebound))) if rebound else ([], [], [])
         self.every = every
-        self.device = model.get_input_embeddings().weight.device
-        self.off = None  # why the rest of the call runs eagerly
-        self.replayed = self.eager_steps = 0
-        self.last_eager = None
 
     def __call__(self, **inputs):
         if self.off is None:
@@ -180,6 +195,7 @@ class PiecewiseForward:
             if why is not None:
                 self.off = why
                 return self._eager(why, inputs)
+            self._watch()
         recording = graphs.recordings.get(key)
         if recording is not None:
             graphs.recordings.move_to_end(key)
@@ -190,6 +206,13 @@ class PiecewiseForward:
         return self._record(key, mask, inputs)
 
     def _record(self, key, mask, inputs):
+        # a recording bakes in whatever Python runs now: the model is proven again as it is at this step (a class
+        # swapped or a module added since the call's start, before any recording could notice, is refused here)
+        why = eligibility.why_not_model(self.model, self.eager)
+        if why is not None:
+            self.off = why
+            return self._eager(why, inputs)
+        self._watch()
         graphs = self.graphs
         if not graphs.recordings:
             graphs.clear()
@@ -291,11 +314,10 @@ class PiecewiseForward:
             return None, None, why
         if torch.is_grad_enabled() or torch.is_autocast_enabled():
             return None, None, "gradients or autocast enabled"
-        matmul = torch.backends.cuda.matmul
         key = (ids.shape[0], ids.dtype, positions.dtype, self.device, mask is None, keep,
-               self.model.get_input_embeddings().weight.dtype, torch.get_float32_matmul_precision(),
-               matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
-               matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32,
+               self.model.get_input_embeddings().weight.dtype,
+               # every torch setting that can change a kernel's choice or its numerics (`settings.py`)
+               settings.read(),
                # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them
                # (the CUDA usage fuzzer: seeds 422, 775, 1447, 1899), and the reverse would hand inference-mode
                # callers normal tensors where stock gives inference ones

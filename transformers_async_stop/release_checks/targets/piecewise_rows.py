@@ -37,6 +37,7 @@ _FAMILIES = (  # family, modeling module, then each of its sources (qualified na
         "LlamaRotaryEmbedding.forward": {"36aa3216b123": "5.17.0", "05b8d52cfa8f": "5.18.0", "2b71104c384d": "5.19.0-5.23.0", "0197c13cb9f7": "5.24.0"},
         "LlamaMLP.forward": {"b4e9c2637c7f": "5.17.0-5.24.0"},
         "LlamaRMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.24.0"},
+        "transformers.activations:SiLUActivation.forward": {"daf20c34b63e": "5.17.0-5.24.0"},
         "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.24.0"},
         "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
     }),
@@ -48,6 +49,7 @@ _FAMILIES = (  # family, modeling module, then each of its sources (qualified na
         "MistralRotaryEmbedding.forward": {"36aa3216b123": "5.17.0", "05b8d52cfa8f": "5.18.0", "2b71104c384d": "5.19.0-5.23.0", "0197c13cb9f7": "5.24.0"},
         "MistralMLP.forward": {"b4e9c2637c7f": "5.17.0-5.24.0"},
         "MistralRMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.24.0"},
+        "transformers.activations:SiLUActivation.forward": {"daf20c34b63e": "5.17.0-5.24.0"},
         "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.24.0"},
         "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
     }),
@@ -59,6 +61,7 @@ _FAMILIES = (  # family, modeling module, then each of its sources (qualified na
         "Qwen2RotaryEmbedding.forward": {"87d2b6f6ab34": "5.17.0", "c7ebca22877a": "5.18.0", "2b71104c384d": "5.19.0-5.23.0", "0197c13cb9f7": "5.24.0"},
         "Qwen2MLP.forward": {"b4e9c2637c7f": "5.17.0-5.24.0"},
         "Qwen2RMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.24.0"},
+        "transformers.activations:SiLUActivation.forward": {"daf20c34b63e": "5.17.0-5.24.0"},
         "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.24.0"},
         "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
     }),
@@ -70,6 +73,7 @@ _FAMILIES = (  # family, modeling module, then each of its sources (qualified na
         "Qwen3RotaryEmbedding.forward": {"87d2b6f6ab34": "5.17.0", "c7ebca22877a": "5.18.0", "2b71104c384d": "5.19.0-5.23.0", "0197c13cb9f7": "5.24.0"},
         "Qwen3MLP.forward": {"b4e9c2637c7f": "5.17.0-5.24.0"},
         "Qwen3RMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.24.0"},
+        "transformers.activations:SiLUActivation.forward": {"daf20c34b63e": "5.17.0-5.24.0"},
         "apply_rotary_pos_emb": {"ea234325c15d": "5.17.0-5.24.0"},
         "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
     }),
@@ -85,6 +89,7 @@ _FAMILIES = (  # family, modeling module, then each of its sources (qualified na
         "Phi3RotaryEmbedding.forward": {"36aa3216b123": "5.17.0", "05b8d52cfa8f": "5.18.0", "2b71104c384d": "5.19.0-5.23.0", "0197c13cb9f7": "5.24.0"},
         "Phi3MLP.forward": {"d43226978125": "5.17.0-5.22.2", "82162c293dac": "5.23.0-5.24.0"},
         "Phi3RMSNorm.forward": {"d676bfe9af0e": "5.17.0-5.24.0"},
+        "transformers.activations:SiLUActivation.forward": {"daf20c34b63e": "5.17.0-5.24.0"},
         "apply_rotary_pos_emb": {"0d2d41fdeeda": "5.17.0-5.24.0"},
         "rotate_half": {"f714a4b1160c": "5.17.0-5.24.0"},
     }),
@@ -138,6 +143,19 @@ PIECEWISE_SHORTCUTS = tuple(
             "pieces are replayed from CUDA graphs of the same kernels, the cache append and attention run eagerly",
     )
     for family, module, sources in _FAMILIES
+)
+
+# transformers' decoder layers derive from `GradientCheckpointingLayer`, whose own `__call__` (5.17-5.22; from 5.23
+# it has none) runs `super().__call__` unless gradient checkpointing is on in training mode (the path needs eval mode
+# and no gradient): read for the default-deny check of every family (`piecewise/proven.py`, `HELPER_SHORTCUTS`)
+_LAYER_CALL = "transformers.modeling_layers:GradientCheckpointingLayer.__call__"
+PIECEWISE_SHORTCUTS += (
+    Shortcut(
+        "piecewise layer call (gradient checkpointing)", (_LAYER_CALL,),
+        {_LAYER_CALL: {"986f4aa53484": "5.17.0-5.22.2"}},
+        "piecewise.proven", present="5.17-5.22",
+        why="a decoder layer's call passes through to the module's own call outside gradient checkpointing",
+    ),
 )
 
 # Phi-3's own `prepare_inputs_for_generation`, which the dynamic-cache loop (whose decode forward this path replaces)
