@@ -189,7 +189,7 @@ class Help(unittest.TestCase):
             bench.main(["--help"])
         self.assertEqual(exited.exception.code, 0)
         lines = out.getvalue().splitlines()
-        for name, case in cases.builtin_cases().items():
+        for name, case in catalog.builtin_cases().items():
             self.assertTrue(case.about, f"{name} has no description")
             opt_in = "(opt-in) " if case.opt_in else ""
             listed = [line for line in lines if line.split()[:1] == [name]]
@@ -323,7 +323,7 @@ def _peft_imports() -> bool:
 @unittest.skipUnless(_peft_imports(), "needs peft (the [test] extra)")
 class LoraCase(unittest.TestCase):
     def test_the_lora_case_is_opt_in_and_runs_tiny_on_cpu_equal_to_stock(self):
-        builtin = cases.builtin_cases()
+        builtin = catalog.builtin_cases()
         self.assertTrue(builtin["llama-1b-lora"].opt_in)
         model = builtin["llama-1b-lora"].build(torch.device("cpu"), torch.float32)
         self.assertEqual(model.config.hidden_size, cases.tiny_llama_config().hidden_size)  # tiny on the CPU

@@ -25,7 +25,7 @@ _BY_NAME = {shortcut.name: shortcut for shortcut in SHORTCUTS}
 _RESULTS: dict[str, bool] = {}
 _DIGESTED: dict[str, tuple] = {}  # per shortcut: the objects its verdict in `_RESULTS` was taken on
 _LOCK = threading.Lock()
-_OWN_MARK = "_transformers_async_stop_patched"  # `patching.MARKER` (imported there from here: no cycle)
+_OWN_MARK = "_transformers_async_stop_patched"  # `config.MARKER`
 
 
 def source_digest(obj) -> str:
