@@ -88,6 +88,7 @@ for tag in ${VERSIONS:-t523}; do
   if has issue31; then
     timeout "${T_ISSUE31:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_graphed_default_deny.py \
       tests/test_peft.py tests/test_path_report.py tests/test_piecewise.py tests/test_piecewise_families.py \
+      tests/test_default_device.py tests/test_usage_holes.py tests/test_criteria_edits.py \
       $(ls tests/test_redteam_default_deny.py 2>/dev/null) -k "OnCuda or Cuda or cuda" > "$out/issue31_$ver.txt" 2>&1
     grep -E "passed|failed|^FAILED|Error" "$out/issue31_$ver.txt" | tail -25
   fi

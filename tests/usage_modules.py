@@ -26,18 +26,16 @@ process back (torch's backend settings, the module globals). Forms (`form`):
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from torch import nn
 from transformers import LogitsProcessor, StoppingCriteria
 
 import usage_peft
+import usage_user_classes as classes
+from usage_user_classes import ControlModule, ForwardingControl, HandLoRA, HostRead, Recording, Steer, \
+    _first, _steer, subclass_of
 from usage_mutators import shaped
-
-KNOB = 1.0  # the module global a `state: global` module reads (set by the `knob` change; reset at install)
-SUB_GAIN = {"value": 0.25}  # what the `subclass` classes read
-
 
 def _get_deterministic():
     return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
@@ -73,155 +71,6 @@ if hasattr(_MATMUL, "allow_fp16_accumulation"):  # (torch 2.7+)
 BACKEND_NAMES = ("tf32", "bf16_reduced", "fp16_reduced", "matmul_precision", "cudnn_tf32", "cudnn_benchmark",
                  "cudnn_deterministic", "cudnn_enabled", "deterministic", "flash_sdp", "math_sdp",
                  "mem_efficient_sdp", "fp16_accumulation")  # (drawn from this fixed tuple: draws do not depend on torch)
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _map_first(out, fn):
-    """`out` with `fn` applied to its hidden states (a tensor, or the first item of a tuple: an attention's output)."""
-    if isinstance(out, tuple):
-        return (fn(out[0]),) + out[1:]
-    if isinstance(out, list):
-        return [fn(out[0])] + out[1:]
-    return fn(out) if isinstance(out, torch.Tensor) else out
-
-
-def _steer(out, vector, strength):
-    if not strength:
-        return out
-    return _map_first(out, lambda h: h + strength * vector.to(h.dtype))
-
-
-# --- the modules ------------------------------------------------------------------------------------------------------
-class ControlModule(nn.Module):
-    """repeng's ControlModule: holds a block, adds `strength * vector` to its output. Attribute access is not forwarded
-    (a caller reading `layer.self_attn` through it fails, as with repeng's)."""
-
-    def __init__(self, block, vector, strength):
-        super().__init__()
-        self.block = block
-        self.register_buffer("vector", vector)
-        self.strength = strength
-
-    def scale(self):
-        return self.strength
-
-    def forward(self, *args, **kwargs):
-        return _steer(self.block(*args, **kwargs), self.vector, self.scale())
-
-
-class ForwardingControl(ControlModule):
-    """A ControlModule forwarding unknown attributes to the block (so `layer.self_attn`, `layer.attention_type` work)."""
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["block"], name)
-
-
-class Steer(ForwardingControl):
-    """A steering module whose strength comes from state: the module global KNOB, a per-forward step counter, a dict
-    of settings or a list of per-step strengths."""
-
-    SCHEDULE = (0.0, 0.5, 1.0, -0.5)
-
-    def __init__(self, block, vector, strength, store):
-        super().__init__(block, vector, strength)
-        self.store = store
-        self.steps = 0
-        self.settings = {"strength": strength, "on": True}
-        self.schedule = [strength, 0.0, -strength]
-
-    def scale(self):
-        step, self.steps = self.steps, self.steps + 1
-        if self.store == "global":
-            return self.strength * KNOB
-        if self.store == "counter":
-            return self.strength * self.SCHEDULE[step % len(self.SCHEDULE)]
-        if self.store == "dict":
-            return self.settings["strength"] if self.settings["on"] else 0.0
-        if self.store == "list":
-            return self.schedule[step % len(self.schedule)] if self.schedule else 0.0
-        raise ValueError(self.store)
-
-
-class HostRead(ForwardingControl):
-    """Reads its block's output on the host each forward (`.item()` or `bool(tensor)`) and steers by it."""
-
-    def __init__(self, block, vector, strength, read):
-        super().__init__(block, vector, strength)
-        self.read = read
-        self.threshold = 0.0
-        self.calls = 0
-        self.values = []
-
-    def forward(self, *args, **kwargs):
-        out = self.block(*args, **kwargs)
-        self.calls += 1
-        h = _first(out)
-        if self.read == "item":
-            value = float(h.float().mean().item())
-            self.values.append(value)
-            on = value > self.threshold
-        else:
-            on = bool(h.float().mean() > self.threshold)
-            self.values.append(on)
-        return _steer(out, self.vector, self.strength if on else -self.strength)
-
-
-class Recording(ForwardingControl):
-    """Appends its block's output (a copy, or the tensor itself) to `seen`, and changes nothing."""
-
-    def __init__(self, block, vector, keep):
-        super().__init__(block, vector, 0.0)
-        self.keep = keep
-        self.seen = []
-
-    def forward(self, *args, **kwargs):
-        out = self.block(*args, **kwargs)
-        h = _first(out)
-        self.seen.append(h.detach().clone() if self.keep == "copy" else h)
-        return out
-
-
-class HandLoRA(nn.Module):
-    """A hand-written LoRA around a projection (nn.Linear or GPT-2's Conv1D), switched by a private `_enabled`."""
-
-    def __init__(self, base, rank=2):
-        super().__init__()
-        self.base = base
-        weight = base.weight
-        fan_in = getattr(base, "in_features", None) or weight.shape[0]
-        fan_out = getattr(base, "out_features", None) or weight.shape[1]
-        self.lora_a = nn.Parameter(torch.randn(rank, fan_in, dtype=weight.dtype, device=weight.device) * 0.3)
-        self.lora_b = nn.Parameter(torch.randn(fan_out, rank, dtype=weight.dtype, device=weight.device) * 0.3)
-        self._enabled = True
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["base"], name)
-
-    def forward(self, x):
-        y = self.base(x)
-        if self._enabled:
-            y = y + (x @ self.lora_a.t()) @ self.lora_b.t()
-        return y
-
-
-@functools.lru_cache(maxsize=None)
-def subclass_of(base):
-    """A user subclass of transformers' `base` class whose forward scales its output by 1 + SUB_GAIN (a global)."""
-
-    def forward(self, *args, **kwargs):
-        out = base.forward(self, *args, **kwargs)
-        return _map_first(out, lambda h: h * (1.0 + SUB_GAIN["value"]))
-
-    return type("User" + base.__name__, (base,), {"forward": forward, "__module__": __name__})
 
 
 # --- where the modules go -----------------------------------------------------------------------------------------------
@@ -263,9 +112,8 @@ def _vector(model, seed):
 # --- the handle -------------------------------------------------------------------------------------------------------
 class User:
     def __init__(self, spec, model, device):
-        global KNOB
-        KNOB = 1.0
-        SUB_GAIN["value"] = 0.25
+        classes.KNOB = 1.0
+        classes.SUB_GAIN["value"] = 0.25
         self.spec, self.model, self.device = spec, model, device
         self.saved = {name: get() for name, (get, _, _) in BACKEND.items()}
         self.log = []  # per change: (op, what it did or the exception it raised)
@@ -382,7 +230,6 @@ class User:
             self.log.append((op["op"], f"{type(exc).__name__}: {exc}"))
 
     def _apply(self, op):
-        global KNOB
         what, value = op["op"], op.get("value")
         if self.peft is not None:
             return self.peft.apply(op)
@@ -413,9 +260,9 @@ class User:
         elif what == "unswap":
             self.where[2].__class__ = self.sub.__mro__[1]
         elif what == "gain":
-            SUB_GAIN["value"] = value
+            classes.SUB_GAIN["value"] = value
         elif what == "knob":
-            KNOB = value
+            classes.KNOB = value
         elif what == "reset_counter":
             self.module.steps = 0
         elif what == "toggle":
@@ -441,7 +288,7 @@ class User:
 
     # what the user sees ----------------------------------------------------------------------------------------------
     def observe(self):
-        out = {"log": list(self.log), "knob": KNOB, "gain": SUB_GAIN["value"]}
+        out = {"log": list(self.log), "knob": classes.KNOB, "gain": classes.SUB_GAIN["value"]}
         out["backend"] = {name: get() for name, (get, _, _) in BACKEND.items()}
         m = self.module
         if m is not None:
@@ -462,13 +309,12 @@ class User:
         return out
 
     def close(self):
-        global KNOB
         for name, (_, setter, _) in BACKEND.items():
             setter(self.saved[name])
         for handle, _ in self.hooks:
             handle.remove()
-        KNOB = 1.0
-        SUB_GAIN["value"] = 0.25
+        classes.KNOB = 1.0
+        classes.SUB_GAIN["value"] = 0.25
 
 
 def install(sc, model, device):

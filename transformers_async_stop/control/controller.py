@@ -100,7 +100,7 @@ class AsyncStop:
         self.loop_undoes_steps = loop_undoes_steps
         self._flags = None  # two pinned copies of the verdict, allocated at the first step
         self._views = None  # numpy views of them: reading one costs no tensor op
-        self._tokens = [torch.zeros(input_ids.shape[0], dtype=torch.long, pin_memory=self.cuda)
+        self._tokens = [torch.zeros(input_ids.shape[0], dtype=torch.long, device="cpu", pin_memory=self.cuda)
                         for _ in range(2)] if streamer is not None else None
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
@@ -287,7 +287,7 @@ class AsyncStop:
         to `(batch, batch)`). The slot's last verdict has been read by now: no copy into the old one is in flight."""
         if self._flags is None:
             self._flags, self._views = [None, None], [None, None]
-        flag = self._flags[slot] = torch.empty(verdict.shape, dtype=verdict.dtype, pin_memory=self.cuda)
+        flag = self._flags[slot] = torch.empty(verdict.shape, dtype=verdict.dtype, device="cpu", pin_memory=self.cuda)
         self._views[slot] = flag.numpy()
 
     def join(self) -> bool:
@@ -368,7 +368,7 @@ class AsyncStop:
         else:
             # copied now, in stream order after the prefill; read at the first step's end, by which time the host
             # has queued that step's work behind the prefill (no idle device)
-            pinned = torch.empty(1, dtype=torch.long, pin_memory=True)
+            pinned = torch.empty(1, dtype=torch.long, device="cpu", pin_memory=True)
             pinned.copy_(end, non_blocking=True)
             event = torch.cuda.Event()
             event.record()

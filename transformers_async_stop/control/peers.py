@@ -19,7 +19,7 @@ class PeerVerdict:
         self.cuda = pin = device.type == "cuda"
         self.value = torch.zeros((), dtype=torch.float32, device=device)
         self.flag = torch.zeros((), dtype=torch.bool, device=device)
-        self.sums = [torch.zeros((), dtype=torch.float32, pin_memory=pin) for _ in range(2)]
+        self.sums = [torch.zeros((), dtype=torch.float32, device="cpu", pin_memory=pin) for _ in range(2)]
         self.events = [torch.cuda.Event() for _ in range(2)] if self.cuda else None
         self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self.calls = 0

@@ -62,13 +62,13 @@ def _foreign_wrapper(obj) -> bool:
     is not transformers', torch's or this package's own patch."""
     import os
 
-    import torch
-    import transformers
+    from ..undo.module_state import library_dirs
 
-    allowed = tuple(os.path.dirname(m.__file__) + os.sep for m in (transformers, torch))
+    allowed = library_dirs()  # by real path: transformers imported under a second path is still transformers
     while getattr(obj, "__wrapped__", None) is not None:
         code = getattr(obj, "__code__", None)
-        if not getattr(obj, _OWN_MARK, False) and (code is None or not code.co_filename.startswith(allowed)):
+        foreign = code is None or not os.path.realpath(code.co_filename).startswith(allowed)
+        if foreign and not getattr(obj, _OWN_MARK, False):
             return True
         obj = obj.__wrapped__
     return False

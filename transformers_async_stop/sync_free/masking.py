@@ -68,7 +68,7 @@ class MaskSummary:
         if buffer is None or buffer.shape[1] < width:
             # a call grows the mask by one column per step: allocate with room for many steps at once
             capacity = max(width, 2 * (0 if buffer is None else buffer.shape[1]), self.prompt_length + 128)
-            buffer = self._buffer = torch.zeros((2, capacity), dtype=torch.bool)
+            buffer = self._buffer = torch.zeros((2, capacity), dtype=torch.bool, device="cpu")
             buffer[:, : self.prompt_length] = self.columns
             self._valid, self._view_length = self.prompt_length, -1
         if valid_length != self._valid:

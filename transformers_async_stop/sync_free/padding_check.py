@@ -63,7 +63,7 @@ def check(original, model, ctl, input_ids, attention_mask, args, kwargs):
     columns = input_ids[:, [-1, 0]]  # advanced indexing: a copy, unchanged by later in-place edits of the ids
     event = None
     if columns.device.type != "cpu":
-        host = torch.empty(columns.shape, dtype=columns.dtype, pin_memory=columns.is_cuda)
+        host = torch.empty(columns.shape, dtype=columns.dtype, device="cpu", pin_memory=columns.is_cuda)
         host.copy_(columns, non_blocking=columns.is_cuda)
         if columns.is_cuda:
             event = torch.cuda.Event()

@@ -19,6 +19,8 @@ Everything else the scan found moves a table to the input's device (CodeGen, CTR
 
 from __future__ import annotations
 
+import operator
+
 from torch.utils.hooks import RemovableHandle
 
 # class name -> what its forward keeps (found by the scan above; a decoding-relevant module of these families)
@@ -139,14 +141,20 @@ class HookWatch:
     call or mid-call): user code that runs at every forward as a hook does, unseen by torch's hook registry; per
     step one attribute read, the wrapper's code looked at only when the class's `forward` is another object."""
 
-    __slots__ = ("model", "seen", "forward", "why")
+    __slots__ = ("model", "seen", "forward", "why", "modules", "classes", "children")
 
     def __init__(self, model):
         self.model = model
         self.seen = self.forward = None
         self.why = None  # what was noticed, for `last_path()`
+        self.modules = self.classes = self.children = None
 
     def hooked(self) -> bool:
+        if self._moved():  # the first look, or a module swapped, replaced or added since
+            why = foreign_module(self.model, self.modules)
+            if why is not None:
+                self.why = why
+                return True
         forward = getattr(type(self.model), "forward", None)
         if forward is not self.forward:
             self.forward = forward
@@ -165,6 +173,52 @@ class HookWatch:
         return False
 
 
+    def _moved(self) -> bool:
+        """A module's class swapped, or a submodule replaced, since the last look (per step: two C-level passes over
+        the model's modules and their children); the lists are taken again where one moved, or at the first look. A
+        module added under a new name is not looked for: the forward's code calls the modules it knows by name, so a
+        new one runs only where it replaced (or wraps, in place of) one of them."""
+        if self.modules is not None:
+            tables, names, values = self.children
+            if (list(map(type, self.modules)) == self.classes
+                    and not any(map(operator.is_not, map(dict.get, tables, names), values))):
+                return False
+        self.modules = list(self.model.modules())
+        self.classes = list(map(type, self.modules))
+        entries = [(m._modules, name, child) for m in self.modules for name, child in m._modules.items()]
+        tables, names, values = (list(column) for column in zip(*entries)) if entries else ([], [], [])
+        self.children = (tables, names, values)
+        return True
+
+
+def foreign_module(model, modules=None) -> str | None:
+    """Why a module of `model` keeps each verdict read at once: its class is code the package has not read (a user's
+    steering wrapper, a counter, an activation recorder, a subclass, a peft adapter layer, a quantization library's
+    layer), whose forward may keep state or count calls; the flag's extra step would run it once more than stock, and
+    the undo cannot reach what it did there. Default-deny: only transformers', torch's and this package's modules, and
+    those defined in the file of the model's own class (remote code: the model itself), are read; transformers' own
+    stateful ones are `why_stateful`'s."""
+    import os
+    import sys
+
+    allowed = library_dirs() + (package_dir(),)
+    own = getattr(sys.modules.get(type(model).__module__), "__file__", None)
+    own = os.path.realpath(own) if own else None
+    verdicts: dict = {}
+    for module in (modules if modules is not None else model.modules()):
+        cls = type(module)
+        foreign = verdicts.get(cls)
+        if foreign is None:
+            where = getattr(sys.modules.get(cls.__module__), "__file__", None)
+            where = os.path.realpath(where) if where else None
+            foreign = verdicts[cls] = not (where and (where == own or where.startswith(allowed)))
+        if foreign:
+            name = next((n for n, m in model.named_modules() if m is module), "?")
+            return (f"`{name}` ({cls.__module__}.{cls.__qualname__}) is a module of code the package has not read: "
+                    "each verdict is read before the next forward, which it would see")
+    return None
+
+
 def user_code(function, cls=None) -> bool:
     """Whether `function` (the `forward` of `cls`) is code other than transformers', torch's, this package's or the
     file that defines `cls` (remote code, a user's subclass: the model's own code): its code object's file tells (a
@@ -172,17 +226,30 @@ def user_code(function, cls=None) -> bool:
     import os
     import sys
 
-    import torch
-    import transformers
-
     function = getattr(function, "__func__", function)
     code = getattr(function, "__code__", None)
     if code is None:
         return False  # a builtin or a callable object: nothing of ours to tell by
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package's root (this file is in undo/)
-    own = tuple(os.path.dirname(m.__file__) + os.sep for m in (transformers, torch)) + (here + os.sep,)
-    where = os.path.abspath(code.co_filename)
+    where = os.path.realpath(code.co_filename)
     defined = getattr(sys.modules.get(getattr(cls, "__module__", None)), "__file__", None)
-    if defined and where == os.path.abspath(defined):
+    if defined and where == os.path.realpath(defined):
         return False
-    return not where.startswith(own)
+    return not where.startswith(library_dirs() + (package_dir(),))
+
+
+def package_dir() -> str:
+    """This package's root folder (this file is in its `undo/`), by real path."""
+    return os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+
+
+def library_dirs() -> tuple[str, ...]:
+    """transformers' and torch's package folders, as real paths (with a trailing separator). Files are compared by
+    real path: the same file imported under a second path (a symlinked copy of transformers, as transformers' own
+    test suite loads it with `direct_transformers_import`, which also makes that copy `sys.modules["transformers"]`)
+    is still transformers' own."""
+    import os
+
+    import torch
+    import transformers
+
+    return tuple(os.path.dirname(os.path.realpath(m.__file__)) + os.sep for m in (transformers, torch))

@@ -153,7 +153,7 @@ class RoundBox:
         packed = torch.cat(parts)
         size = packed.numel()
         if self._host is None or self._host.numel() < size:
-            self._host = torch.empty(max(size, 64), dtype=torch.long, pin_memory=self.cuda)
+            self._host = torch.empty(max(size, 64), dtype=torch.long, device="cpu", pin_memory=self.cuda)
             self._view = self._host.numpy()
         self._host[:size].copy_(packed, non_blocking=self.cuda)
         if self.cuda:

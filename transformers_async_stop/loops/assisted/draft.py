@@ -127,7 +127,7 @@ class DraftRun:
                 _tag(mask, self.summary, mask.shape[-1])
             return None
         if mask is None and arguments.get("position_ids") is not None and self._builds_ones(assistant, arguments):
-            return torch.ones((1, arguments[self.generator.input_ids_key].shape[-1]), dtype=torch.long)
+            return torch.ones((1, arguments[self.generator.input_ids_key].shape[-1]), dtype=torch.long, device="cpu")
         return None
 
     def _builds_ones(self, assistant, kwargs) -> bool:

@@ -106,7 +106,8 @@ class HostLookup:
             # a pageable or synchronous H2D copy would drain the stream; this buffer is rewritten only after the host
             # has read the round's verdict, by which time the copy below has run
             if self._staging is None or self._staging.numel() < chosen.numel():
-                self._staging = torch.empty(max(chosen.numel(), 64), dtype=torch.long, pin_memory=True)
+                self._staging = torch.empty(max(chosen.numel(), 64), dtype=torch.long, device="cpu",
+                                             pin_memory=True)
             staged = self._staging[: chosen.numel()].view(chosen.shape)
             staged.copy_(chosen)
             chosen = staged.to(input_ids.device, non_blocking=True)

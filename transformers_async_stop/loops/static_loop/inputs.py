@@ -6,7 +6,9 @@ mask and `last + 1` to the position ids, then slices and clones the new token an
 4D mask from the cache's device counter (`static_mask.MaskPlan`). Here the first decode step's inputs come from the
 real `prepare_inputs_for_generation`; each later step writes the same values into the same tensors: the new token,
 the position plus one, and the mask `(arange <= counter) & padding`, whose padding columns after the prompt are the
-ones stock appends. Shapes, dtypes and strides stay the ones stock makes, so the compiled forward sees what it saw.
+ones stock appends, up to the 2D mask's width (stock pads it with zeros past that: a criterion that runs its own
+forward into the cache moves the counter past the width). Shapes, dtypes and strides stay the ones stock makes, so
+the compiled forward sees what it saw.
 
 Any input this does not know how to advance (another tensor, a mask the plan did not make) leaves the loop on
 stock's own `prepare_inputs_for_generation` every step.
@@ -24,9 +26,9 @@ _ADVANCED = frozenset(("input_ids", "position_ids", "attention_mask"))
 class StepInputs:
     """The decode-step inputs of one loop; `advance(tokens)` turns step t's into step t+1's (on the device)."""
 
-    __slots__ = ("inputs", "ids", "positions", "mask", "causal_only", "kv", "offset", "padding")
+    __slots__ = ("inputs", "ids", "positions", "mask", "causal_only", "kv", "offset", "padding", "last_column")
 
-    def __init__(self, inputs, ids, positions, mask, plan, offset):
+    def __init__(self, inputs, ids, positions, mask, plan, offset, width=None):
         self.inputs = inputs
         self.ids = ids
         self.positions = positions
@@ -34,12 +36,16 @@ class StepInputs:
         self.offset = offset
         self.kv = plan.kv if plan is not None else None
         self.causal_only = plan is not None and plan.padding is None
-        self.padding = None
+        self.padding = self.last_column = None
         if plan is not None and plan.padding is not None:
             # the 2D mask as stock will have grown it: the prompt's columns, then the ones the loop appends
             padding = plan.padding.clone()
             padding[:, plan.known:] = True
             self.padding = padding[:, None, None, :]
+            # the 2D mask's last column at this forward, advanced with it: stock pads the 2D mask with zeros past
+            # its width, so no column past it is attended, wherever user code moved the cache's counter (a
+            # criterion's own forward into the cache writes a position stock's mask then leaves out)
+            self.last_column = torch.tensor(width - 1, dtype=torch.long, device=padding.device)
 
     @classmethod
     def build(cls, model, input_ids, model_kwargs, cache, cache_end) -> tuple[dict, "StepInputs | None"]:
@@ -79,23 +85,26 @@ class StepInputs:
                 return inputs, None
         else:
             plan, offset = None, None
-        return inputs, cls(inputs, ids, positions, mask, plan, offset)
+        width = model_kwargs["attention_mask"].shape[-1] if plan is not None and plan.padding is not None else None
+        return inputs, cls(inputs, ids, positions, mask, plan, offset, width)
 
     def advance(self, tokens: torch.Tensor) -> None:
         """After step t's token is chosen (and step t's forward has advanced the cache counter): step t+1's inputs."""
         self.ids.copy_(tokens[:, None])
         if self.positions is not None:
             self.positions.add_(1)
+        if self.last_column is not None:
+            self.last_column.add_(1)
         self.refresh()
 
     def refresh(self) -> None:
         """The mask from the cache's counter as it is now: again after user code ran (a criterion may `reset()` the
         cache; stock builds the next mask after the criteria)."""
         if self.mask is not None:
-            causal = self.kv <= self.offset
             if self.causal_only:
-                self.mask.copy_(causal.expand_as(self.mask))
+                self.mask.copy_((self.kv <= self.offset).expand_as(self.mask))
             else:
+                causal = self.kv <= torch.minimum(self.offset, self.last_column)
                 torch.bitwise_and(causal, self.padding, out=self.mask)
 
 
