@@ -239,6 +239,8 @@ def user_code(function, cls=None) -> bool:
 
 def package_dir() -> str:
     """This package's root folder (this file is in its `undo/`), by real path."""
+    import os
+
     return os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
 
 
