@@ -338,8 +338,8 @@ class LoraCase(unittest.TestCase):
         self.assertEqual(run["label"], "llama-1b-lora eager b1")
         self.assertIsNone(run["error"])
         self.assertIs(run["variants"]["async"]["exact"], True)
-        if LOOP_RELEASES:
-            self.assertIn("dynamic loop", run["variants"]["async"]["path"])
+        # a peft layer is code the package has not read: each verdict is read at once (module_state.foreign_module)
+        self.assertIn("lora", run["variants"]["async"]["path"].lower())
 
 
 if __name__ == "__main__":

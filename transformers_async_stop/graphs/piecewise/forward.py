@@ -36,7 +36,7 @@ from transformers import masking_utils
 from ...release_checks import cache_kwarg
 from ...state import concurrency
 from ...sync_free import masking
-from . import eligibility, settings
+from . import eligibility, proven, settings
 from .graphs import NotRecordable, capture_failure, record, watched_functions
 
 MAX_KEYS = 4  # recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
@@ -44,6 +44,7 @@ _STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STORE_LOCK = threading.Lock()
 _TRAINING = operator.attrgetter("training")
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
 
 
@@ -60,6 +61,8 @@ class ModelGraphs:
         self.classes: list = []
         self.tensors: list = []
         self.pointers: list = []
+        self.lists: list = []  # the children tables of the model's ModuleLists, and their lengths as recorded
+        self.lengths: list = []
         self.pool = None
 
     def clear(self) -> None:
@@ -69,6 +72,7 @@ class ModelGraphs:
         self.entries, self.tensors, self.pointers = [], [], []
         self._columns = ([], [], [])
         self.modules, self.classes = [], []
+        self.lists, self.lengths = [], []
         self.pool = None
 
     def snapshot(self, model) -> None:
@@ -83,10 +87,27 @@ class ModelGraphs:
                     entries.append((table, name, tensor))
                     if tensor is not None:
                         tensors.append(tensor)
-        entries += _attribute_entries(model)
+            # `module.compile()` (a criterion's, mid-call) sets this private field: stock's next call of the module
+            # runs the compiled code, which the recording never ran (proven.py refuses a compiled module)
+            entries.append((module.__dict__, "_compiled_call_impl", module.__dict__.get("_compiled_call_impl")))
+            # the hook tables as objects: the per-step check reads the tables it found (`PiecewiseForward._watch`), so
+            # one replaced by another (`m._forward_hooks = OrderedDict(...)`) would go unseen
+            entries += [(module.__dict__, name, module.__dict__.get(name)) for name in _HOOK_TABLES]
+        attributes = _attribute_entries(model)
+        entries += attributes
+        # a tensor held as a plain attribute (a weight swapped in with `del m.weight; m.weight = t`) is read by the
+        # replay at its recorded address, as a parameter is: `t.data = x` keeps the object and moves its storage
+        tensors += [value for _, _, value in attributes if type(value) in (torch.Tensor, torch.nn.Parameter)]
         self.entries, self.tensors = entries, tensors
+        # a module appended to a ModuleList (GPT-2's forward runs every block of `self.h`) adds a key, which the
+        # entries above (the children as recorded) cannot show
+        self.lists = [module._modules for module in self.modules if type(module) is torch.nn.ModuleList]
+        self.lengths = list(map(len, self.lists))
         base = eligibility.base_of(model)
-        self.functions = watched_functions(model, sys.modules[type(base).__module__])
+        # the torch names the replayed Python looks up, and torch's module internals every module call runs
+        # (`Module._call_impl`, `__getattr__`...: rebound mid-call, stock's later steps run the new code)
+        self.functions = watched_functions(model, sys.modules[type(base).__module__]) + proven.torch_internals(
+            self.classes)
         self._columns = tuple(map(list, zip(*entries))) if entries else ([], [], [])
         self.pointers = [tensor.data_ptr() for tensor in tensors]
 
@@ -100,6 +121,8 @@ class ModelGraphs:
             return True
         if list(map(type, self.modules)) != self.classes:
             return True  # a class swapped under the recording (`module.__class__ = Subclass`)
+        if list(map(len, self.lists)) != self.lengths:
+            return True  # a module added to a ModuleList
         return list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
 
 
@@ -312,7 +335,9 @@ class PiecewiseForward:
         mask, why = _attention_mask(inputs.get("attention_mask"), ids.shape[0], cache)
         if why is not None:
             return None, None, why
-        if torch.is_grad_enabled() or torch.is_autocast_enabled():
+        # autocast of the model's device (`is_autocast_enabled()` alone is CUDA's: a CPU model's recording under CPU
+        # autocast, emulated, would have replayed its casts in a call without it)
+        if torch.is_grad_enabled() or torch.is_autocast_enabled() or torch.is_autocast_enabled(self.device.type):
             return None, None, "gradients or autocast enabled"
         key = (ids.shape[0], ids.dtype, positions.dtype, self.device, mask is None, keep,
                self.model.get_input_embeddings().weight.dtype,

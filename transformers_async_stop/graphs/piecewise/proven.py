@@ -42,7 +42,13 @@ TORCH_MODULES = frozenset((torch.nn.Linear, torch.nn.Embedding, torch.nn.ModuleL
 # transformers' helper sources read with every family (present on some releases only: `matches` says where)
 HELPER_SHORTCUTS = ("piecewise layer call (gradient checkpointing)",)
 _METHODS = ("forward", "__call__")
-_MODULE_INTERNALS = ("__call__", "_call_impl", "_wrapped_call_impl", "forward")
+# what a module call runs besides `forward`: `__call__` -> `_wrapped_call_impl` -> `_call_impl`, `__getattr__` for
+# every submodule, parameter and buffer the forward reads (`self.q_proj`), and a ModuleList's iteration and slicing
+# (GPT-2 runs `for block in self.h`, Llama `self.layers[: n]`: a patched `__iter__` may skip layers by a knob)
+_MODULE_INTERNALS = ("__call__", "_call_impl", "_wrapped_call_impl", "forward", "__getattr__", "__getattribute__",
+                     "__iter__", "__getitem__", "__len__")
+# torch's internals a transformers class never defines: one set on it is user code in every call of its modules
+_NOT_TRANSFORMERS = ("_call_impl", "_wrapped_call_impl", "__getattr__", "__getattribute__")
 _INSTANCE_OVERRIDES = ("forward", "_call_impl", "_wrapped_call_impl")
 _TORCH_DIR = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
 
@@ -95,7 +101,18 @@ def _why_class(cls, family_sources, helpers) -> str | None:
                 source = f"{klass.__module__}:{klass.__qualname__}.{attr}"
                 if source not in family_sources and source not in helpers:
                     return f"its {klass.__qualname__}.{attr} is not a source the graphed forward has read"
+        for attr in _NOT_TRANSFORMERS:
+            if attr in vars(klass):
+                return f"its {klass.__qualname__}.{attr} is not a source the graphed forward has read"
     return None
+
+
+def torch_internals(classes) -> list:
+    """(class table, name, object) for torch's module internals (`_MODULE_INTERNALS`) of `torch.nn.Module` and of the
+    torch classes among `classes`, as they are now: compared before each replay (`forward.ModelGraphs.changed`), as
+    `why_unread` proves them only before a recording (a criterion rebinding `Module._call_impl` mid-call)."""
+    owners = [torch.nn.Module, *(cls for cls in set(classes) if cls in TORCH_MODULES)]
+    return [(vars(owner), attr, vars(owner).get(attr)) for owner in owners for attr in _MODULE_INTERNALS]
 
 
 def _why_torch_class(cls) -> str | None:

@@ -34,6 +34,10 @@ READERS = (
     "_get_deterministic_algorithms", "_get_deterministic_algorithms_warn_only",
     "_get_deterministic_fill_uninitialized_memory",
 )
+# TunableOp (`torch.cuda.tunable`): while on, a GEMM runs the solution it tuned (or tunes one) instead of the BLAS
+# library's default choice. Its readers are named `_cuda_tunableop_*`, not `_get_*` (the drift test does not see them);
+# CUDA builds only
+TUNABLE_OP = ("_cuda_tunableop_is_enabled", "_cuda_tunableop_tuning_is_enabled")
 # settings of CPU or ROCm kernels only: a CUDA graph holds none of them, and the CPU emulation's replay dispatches
 # every op again, under the settings as they are then
 NOT_CUDA = frozenset((
@@ -70,6 +74,7 @@ _FP32_PRECISION = (("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("cu
 def _readers() -> tuple:
     found = [getattr(torch._C, name) for name in READERS if hasattr(torch._C, name)]
     found = [(lambda reader=reader: tuple(reader())) if isinstance(reader(), list) else reader for reader in found]
+    found += [getattr(torch._C, name) for name in TUNABLE_OP if hasattr(torch._C, name)]
     found.append(torch.get_default_dtype)
     getter = getattr(torch._C, "_get_fp32_precision_getter", None)
     if getter is not None:
