@@ -18,8 +18,9 @@ import argparse
 import inspect
 import sys
 
-from transformers_async_stop import patching, release_notice, verified
-from transformers_async_stop.targets import SHORTCUTS, TARGETS, present_in
+from transformers_async_stop import patching
+from transformers_async_stop.release_checks import release_notice, verified
+from transformers_async_stop.release_checks.targets import SHORTCUTS, TARGETS, present_in
 
 
 def _last_read(digests: dict) -> str:

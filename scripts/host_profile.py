@@ -63,9 +63,9 @@ BLOCKS = {
     "stopping criteria": "stopping_criteria.py:__call__",
     "_update_model_kwargs": "generation/utils.py:_update_model_kwargs_for_generation",
     "StopCheck/Deferred __call__": "generation/utils.py:__call__",
-    "package: processors/criteria wrappers": "transformers_async_stop/step_lists.py:__call__",
-    "package: AsyncStop.record": "transformers_async_stop/controller.py:record",
-    "package: AsyncStop.join": "transformers_async_stop/controller.py:join",
+    "package: processors/criteria wrappers": "transformers_async_stop/control/step_lists.py:__call__",
+    "package: AsyncStop.record": "transformers_async_stop/control/controller.py:record",
+    "package: AsyncStop.join": "transformers_async_stop/control/controller.py:join",
 }
 WAITS = ("method 'synchronize'", "method 'item'", "method 'is_nonzero'", "_local_scalar_dense", "built-in method bool")
 
@@ -194,7 +194,7 @@ def variant_of(name):
         with variant(name) as flag:
             yield flag
         return
-    from transformers_async_stop.dynamic_loop import DYNAMIC_LOOP_ENV
+    from transformers_async_stop.loops.dynamic_loop import DYNAMIC_LOOP_ENV
 
     before = os.environ.get(DYNAMIC_LOOP_ENV)
     os.environ[DYNAMIC_LOOP_ENV] = "0"

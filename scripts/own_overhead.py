@@ -28,9 +28,9 @@ import transformers.generation.utils as gen_utils
 from transformers.generation.utils import GenerationMixin
 
 import transformers_async_stop  # noqa: F401  (applies the patches)
-from transformers_async_stop.call_state import CALL, CallState
-from transformers_async_stop.controller import AsyncStop
-from transformers_async_stop.step_lists import JoiningLogitsProcessors, SideStreamCriteria
+from transformers_async_stop.state.call_state import CALL, CallState
+from transformers_async_stop.control.controller import AsyncStop
+from transformers_async_stop.control.step_lists import JoiningLogitsProcessors, SideStreamCriteria
 
 
 class Done(StoppingCriteria):
@@ -66,24 +66,24 @@ def main():
     def stock_loop(steps):
         processors, criteria = LogitsProcessorList([]), StoppingCriteriaList([Done()])
         unfinished = unfinished0
-        route_a = hasattr(gen_utils, "DeferredStopCheck")
+        loop_undoes_steps = hasattr(gen_utils, "DeferredStopCheck")
         for _ in range(steps):
             processors(input_ids, scores)
             unfinished = unfinished & ~criteria(input_ids, (scores,))
-            if not route_a:
+            if not loop_undoes_steps:
                 unfinished.max() == 0  # 4.57-5.16 compute this in the loop itself, stock or not
 
     def package_loop(steps):
         state = CallState(None, user_cache=False, slice_inputs=True)
         token = CALL.set(state)
         try:
-            route_a = hasattr(gen_utils, "DeferredStopCheck")
-            ctl = state.ctl = AsyncStop(input_ids, None, done_when="unfinished" if route_a else "finished",
-                                        route_a=route_a)
+            loop_undoes_steps = hasattr(gen_utils, "DeferredStopCheck")
+            ctl = state.ctl = AsyncStop(input_ids, None, done_when="unfinished" if loop_undoes_steps else "finished",
+                                        loop_undoes_steps=loop_undoes_steps)
             processors = JoiningLogitsProcessors(LogitsProcessorList([]), ctl)
             criteria = SideStreamCriteria(StoppingCriteriaList([Done()]), ctl)
             unfinished = unfinished0
-            if route_a:  # 5.17+: the loop calls its stop check, our DeferredStopCheck subclass
+            if loop_undoes_steps:  # 5.17+: the loop calls its stop check, our DeferredStopCheck subclass
                 check = gen_utils.DeferredStopCheck(input_ids, None, None, False, None)
                 for step in range(steps):
                     processors(input_ids, scores)

@@ -31,7 +31,7 @@ from transformers_async_stop.bench.cases import (  # noqa: E402
     llama_1b_config,
     tiny_llama_config,
 )
-from transformers_async_stop.piecewise import eligibility, forward  # noqa: E402
+from transformers_async_stop.graphs.piecewise import eligibility, forward  # noqa: E402
 
 ENV = eligibility.PIECEWISE_ENV
 

@@ -9,8 +9,8 @@ to `targets.SHORTCUTS` with the release it was read in.
 
 import transformers
 
-from transformers_async_stop import verified
-from transformers_async_stop.targets import SHORTCUTS, present_in
+from transformers_async_stop.release_checks import verified
+from transformers_async_stop.release_checks.targets import SHORTCUTS, present_in
 
 version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 print(f"transformers {transformers.__version__}")

@@ -13,7 +13,7 @@ call (speculative sampling and the assistant's own sampling draw random numbers)
 `generation_config` after the call (the "heuristic" schedule writes `num_assistant_tokens` back into it; 4.57 also
 writes `eos_token_id`). Errors (batch > 1, a static cache) must be the same errors.
 
-With the flag both take the deferred path (transformers_async_stop/assisted/): `TakesTheDeferredPath` checks that
+With the flag both take the deferred path (transformers_async_stop/loops/assisted/): `TakesTheDeferredPath` checks that
 no `StockPathWarning` is raised, `StaysStockWithOneWarning` what phase 1 leaves stock. `CudaAtMostOneSyncPerRound`
 runs on a CUDA device only; tests/test_assisted_host_reads.py is its CPU stand-in.
 """
@@ -35,7 +35,7 @@ from transformers.generation.streamers import BaseStreamer
 from models import (PAD, TRANSFORMERS_VERSION, VOCAB, CountForwards, assert_same, build, count_syncs,
                     eos_ids_finishing_at, prompt, stock)
 from transformers_async_stop import StockPathWarning
-from transformers_async_stop.assisted.loop import installed_port
+from transformers_async_stop.loops.assisted.loop import installed_port
 
 FULL_OUTPUTS = dict(return_dict_in_generate=True, output_scores=True, output_logits=True, output_hidden_states=True)
 NEVER = VOCAB - 1  # an EOS id the greedy runs below do not produce (checked in `_eos`)
@@ -475,7 +475,7 @@ class StaysStockWithOneWarning(unittest.TestCase):
         with stock():
             ref, _ = call(False)
         if name == "unported_release":
-            from transformers_async_stop.assisted import loop
+            from transformers_async_stop.loops.assisted import loop
 
             with mock.patch.object(loop, "installed_port", return_value=None):
                 out, caught = call(True)

@@ -28,7 +28,7 @@ from parameterized import parameterized
 
 from models import PAD, stock
 from test_assisted import NEVER, PORTED, CountForwards, draft, draft_config, lookup_prompt, prompt, target
-from transformers_async_stop.assisted import acceptance, draft as draft_module
+from transformers_async_stop.loops.assisted import acceptance, draft as draft_module
 
 READS = ("__bool__", "item", "__int__", "__index__", "__float__", "tolist", "cpu")
 

@@ -27,7 +27,7 @@ from models import (
     stock,
 )
 from transformers_async_stop import StockPathWarning
-from transformers_async_stop import beam
+from transformers_async_stop.loops import beam
 
 EARLY_EOS = list(range(20, 40))  # many ids: beams finish within a few steps
 MAX_NEW = 12
@@ -167,7 +167,7 @@ class FinishedBeamsSurviveTheExtraStep(unittest.TestCase):
 
         from transformers.generation.utils import GenerationMixin
 
-        from transformers_async_stop.call_state import CALL, CallState
+        from transformers_async_stop.state.call_state import CALL, CallState
 
         model = build("llama")
         batch, beams, length = 1, 2, 8

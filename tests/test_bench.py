@@ -21,7 +21,7 @@ from transformers.generation.logits_process import LogitsProcessor
 
 from transformers_async_stop import bench, is_patched
 from transformers_async_stop import FORCE_ENV
-from transformers_async_stop.bench import cases, cli, gpu, measure, report, variants
+from transformers_async_stop.bench import cases, catalog, cli, gpu, measure, report, variants
 
 LOOP_RELEASES = tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2]) >= (5, 17)
 
@@ -38,7 +38,7 @@ class RecordPatched(LogitsProcessor):
 
 
 def recording_cases(seen: list) -> dict:
-    builtin = cases.builtin_cases()
+    builtin = catalog.builtin_cases()
     tiny = builtin["tiny-llama"]
 
     def extra(run, model):
@@ -189,7 +189,7 @@ class Help(unittest.TestCase):
             bench.main(["--help"])
         self.assertEqual(exited.exception.code, 0)
         lines = out.getvalue().splitlines()
-        for name, case in cases.builtin_cases().items():
+        for name, case in catalog.builtin_cases().items():
             self.assertTrue(case.about, f"{name} has no description")
             opt_in = "(opt-in) " if case.opt_in else ""
             listed = [line for line in lines if line.split()[:1] == [name]]
@@ -233,7 +233,7 @@ class Pieces(unittest.TestCase):
         def timed_ms(model, kwargs, flag, device):  # no clock: 1 ms per token, 0.5 with the flag
             return (0.5 if flag.get("async_stopping_criteria") else 1.0) * kwargs["max_new_tokens"]
 
-        tiny = cases.builtin_cases()["tiny-llama"]
+        tiny = catalog.builtin_cases()["tiny-llama"]
         device = torch.device("cpu")
         model = tiny.build(device, torch.float32)
         run = cases.Run(tiny, "eager", 1, "greedy", 6, "fp32")
@@ -293,7 +293,7 @@ class Pieces(unittest.TestCase):
         self.assertEqual(measure.ratios({"async": [1.0]}), {})
 
     def test_variant_subset_without_stock_and_separate_host_reference(self):
-        tiny = cases.builtin_cases()["tiny-llama"]
+        tiny = catalog.builtin_cases()["tiny-llama"]
         own = {"tiny-copy": dataclasses.replace(tiny, name="tiny-copy", tiny=False)}
         with tempfile.TemporaryDirectory() as traces:
             code, result, _, _ = run_bench(["--quick", "--cases", "tiny-copy", "--modes", "static", "--variants",
@@ -323,7 +323,7 @@ def _peft_imports() -> bool:
 @unittest.skipUnless(_peft_imports(), "needs peft (the [test] extra)")
 class LoraCase(unittest.TestCase):
     def test_the_lora_case_is_opt_in_and_runs_tiny_on_cpu_equal_to_stock(self):
-        builtin = cases.builtin_cases()
+        builtin = catalog.builtin_cases()
         self.assertTrue(builtin["llama-1b-lora"].opt_in)
         model = builtin["llama-1b-lora"].build(torch.device("cpu"), torch.float32)
         self.assertEqual(model.config.hidden_size, cases.tiny_llama_config().hidden_size)  # tiny on the CPU

@@ -11,8 +11,8 @@ from transformers import LlamaConfig
 
 from test_bench import run_bench
 from transformers_async_stop import StockPathWarning
-from transformers_async_stop.assisted.loop import installed_port
-from transformers_async_stop.bench import assisted, cases
+from transformers_async_stop.loops.assisted.loop import installed_port
+from transformers_async_stop.bench import assisted, catalog
 
 
 def small_cases() -> dict:
@@ -30,7 +30,7 @@ class AssistedCases(unittest.TestCase):
             warnings.simplefilter("always")
             cls.code, cls.result, cls.markdown, cls.stdout = run_bench(
                 ["--cases", ",".join(own), "--reps", "1", "--variants", "stock,async"],
-                dict(cases.builtin_cases(), **own))
+                dict(catalog.builtin_cases(), **own))
         cls.stock_paths = [str(w.message) for w in caught if issubclass(w.category, StockPathWarning)]
 
     def test_every_case_runs_eager_and_equals_stock(self):
@@ -77,7 +77,7 @@ class AssistedCases(unittest.TestCase):
         self.assertIsNot(copy.generation_config, target.generation_config)
 
     def test_the_cases_are_opt_in(self):
-        builtin = cases.builtin_cases()
+        builtin = catalog.builtin_cases()
         for name in ("llama-1b-draft", "llama-1b-copy", "llama-1b-lookup"):
             self.assertTrue(builtin[name].opt_in, name)
             self.assertFalse(builtin[name].tiny, name)

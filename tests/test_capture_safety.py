@@ -25,7 +25,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from adversarial_helpers import static_cache
 from models import PAD, TRANSFORMERS_VERSION, build, prompt, stock
 from transformers_async_stop import graph_safe
-from transformers_async_stop.static_loop import tail as tail_module
+from transformers_async_stop.loops.static_loop import tail as tail_module
 
 needs_cuda = unittest.skipUnless(torch.cuda.is_available() and TRANSFORMERS_VERSION >= (5, 17),
                                  "needs a CUDA device and transformers 5.17+ (the static-cache loop)")

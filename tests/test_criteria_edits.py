@@ -24,7 +24,7 @@ from parameterized import parameterized
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from models import PAD, assert_same, build, eos_ids_finishing_at, prompt, stock
-from transformers_async_stop.dynamic_loop import eligibility
+from transformers_async_stop.loops.dynamic_loop import eligibility
 
 LOOPS = {"dynamic_loop": {}, "own_loop": {eligibility.DYNAMIC_LOOP_ENV: "0"}}
 

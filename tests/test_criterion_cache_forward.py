@@ -19,7 +19,7 @@ from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop
 from models import PAD, assert_same, build, stock
-from transformers_async_stop.graph_emulation import emulated
+from transformers_async_stop.testing.emulation import emulated
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10], [9, 10, 11, 12, 13, 14]])
 

@@ -22,7 +22,7 @@ from parameterized import parameterized
 
 import transformers_async_stop
 from models import PAD, assert_same, build, prompt, stock
-from transformers_async_stop.dynamic_loop import eligibility
+from transformers_async_stop.loops.dynamic_loop import eligibility
 
 OWN_LOOP = {eligibility.DYNAMIC_LOOP_ENV: "0"}
 CASES = [("dynamic_loop", {}, {}), ("own_loop", OWN_LOOP, {}), ("static_cache", {}, {"cache_implementation": "static"}),

@@ -71,7 +71,7 @@ class DeviceMapFlagOnEqualsStock(unittest.TestCase):
 
     @parameterized.expand([(layout,) for layout in LAYOUTS])
     def test_controller_lives_on_the_input_device(self, layout):
-        from transformers_async_stop import controller as stop_check
+        from transformers_async_stop.control import controller as stop_check
 
         model, device = split(layout)
         ids, mask = prompt(batch=2, device=device)

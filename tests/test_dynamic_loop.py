@@ -31,9 +31,9 @@ from models import (
     prompt,
     stock,
 )
-from transformers_async_stop import dynamic_loop
-from transformers_async_stop.dynamic_loop import eligibility, inputs
-from transformers_async_stop.verified import matches
+from transformers_async_stop.loops import dynamic_loop
+from transformers_async_stop.loops.dynamic_loop import eligibility, inputs
+from transformers_async_stop.release_checks.verified import matches
 
 # taken exactly where its sources were checked; every other release must fall back to the deferred path
 TAKEN = TRANSFORMERS_VERSION >= (5, 17) and matches("dynamic decode loop")

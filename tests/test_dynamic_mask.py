@@ -16,8 +16,8 @@ from transformers import DynamicCache, StoppingCriteriaList
 from loop_callbacks import ChangeAtStep, loop_kwargs
 from models import PAD, assert_flag_matches_stock, assert_same, build, eos_ids_finishing_at, prompt
 from test_dynamic_loop import TAKEN, LoopSpy, stock_then_loop
-from transformers_async_stop.dynamic_loop import wide_mask
-from transformers_async_stop.verified import matches
+from transformers_async_stop.loops.dynamic_loop import wide_mask
+from transformers_async_stop.release_checks.verified import matches
 
 GROWN = TAKEN and all(matches(f"dynamic decode mask ({family})") for family in ("llama", "qwen2", "mistral"))
 needs_grown = unittest.skipUnless(GROWN, "the grown decode mask is used on transformers 5.17-5.23")

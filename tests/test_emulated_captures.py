@@ -1,5 +1,5 @@
 """The CUDA-only test classes of the static loop's captured tail, run on the CPU with the graphs emulated
-(`graph_emulation.py`): the tail is captured and replayed without its Python, as on CUDA, so CI (no GPU) runs the
+(`testing/emulation.py`): the tail is captured and replayed without its Python, as on CUDA, so CI (no GPU) runs the
 capture decisions, the guards before each replay and what a replay bakes in. Each class here is its CUDA class with
 `device = "cpu"` under `emulated()`; the CUDA classes are imported as module attributes so that pytest does not
 collect them twice."""
@@ -13,7 +13,7 @@ import test_static_loop_usage
 import test_static_processors
 import test_usage_holes
 from models import TRANSFORMERS_VERSION
-from transformers_async_stop.graph_emulation import emulated
+from transformers_async_stop.testing.emulation import emulated
 
 # cases of the CUDA classes that need CUDA itself, not a captured tail
 _CUDA_ITSELF = (

@@ -19,8 +19,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, build, stock
-from transformers_async_stop.graph_emulation import emulated
-from transformers_async_stop.piecewise import forward as piecewise_forward
+from transformers_async_stop.testing.emulation import emulated
+from transformers_async_stop.graphs.piecewise import forward as piecewise_forward
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
 KNOB = {"strength": 0.0}  # a module-level global a steering module reads at every forward
@@ -375,7 +375,7 @@ class TorchReplacedOrReconfigured(_Case):
 
     def test_every_kernel_setting_reader_of_torch_is_read_or_named(self):
         """A torch release that grows a setting reader neither read nor named fails here (review it)."""
-        from transformers_async_stop.piecewise import settings
+        from transformers_async_stop.graphs.piecewise import settings
 
         readers = {name for name in dir(torch._C) if name.startswith("_get_")}
         unknown = readers - set(settings.READERS) - settings.NOT_CUDA - settings.IGNORED

@@ -12,7 +12,8 @@ import torch
 from parameterized import parameterized
 
 from models import PAD, TRANSFORMERS_VERSION, CountForwards, assert_same, build, eos_ids_finishing_at, prompt, stock
-from transformers_async_stop import kwargs_update, patching
+from transformers_async_stop.sync_free import kwargs_update
+from transformers_async_stop import patching
 
 TAKEN = TRANSFORMERS_VERSION >= (5, 5)
 

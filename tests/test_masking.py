@@ -12,7 +12,8 @@ import torch
 from parameterized import parameterized
 
 from models import PAD, build, prompt, stock
-from transformers_async_stop import masking, patching
+from transformers_async_stop.sync_free import masking
+from transformers_async_stop import patching
 
 CHECKS = ("masking_utils._ignore_causal_mask_sdpa", "masking_utils._ignore_bidirectional_mask_sdpa")
 
@@ -105,14 +106,14 @@ class MovedCopiesKeepTheSummary(unittest.TestCase):
     inside generate(), only as a copy of the mask generate() feeds, and only on another device."""
 
     def setUp(self):
-        from transformers_async_stop import masking
+        from transformers_async_stop.sync_free import masking
 
         self.masking = masking
         self.fed_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
         masking._tag(self.fed_mask, masking.MaskSummary(self.fed_mask), 3)
 
     def tag_of(self, tensor, inside_generate=True):
-        from transformers_async_stop.call_state import CALL, CallState
+        from transformers_async_stop.state.call_state import CALL, CallState
 
         state = None
         if inside_generate:

@@ -90,7 +90,7 @@ class Failures(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "boom"):
             model.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=PAD,
                            stopping_criteria=StoppingCriteriaList([Boom()]), async_stopping_criteria=True)
-        from transformers_async_stop.call_state import CALL
+        from transformers_async_stop.state.call_state import CALL
 
         self.assertIsNone(CALL.get())  # the call's state went with it
         with stock():

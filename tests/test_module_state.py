@@ -17,7 +17,7 @@ from parameterized import parameterized
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, build, stock
-from transformers_async_stop.module_state import why_stateful
+from transformers_async_stop.undo.module_state import why_stateful
 
 ROPE_THETA = 10000.0
 ORIGINAL_MAX = 8  # the tiny model's original length: a 6-token prompt crosses it within a call

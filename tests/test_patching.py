@@ -16,12 +16,12 @@ from transformers import GenerationConfig
 
 import transformers_async_stop as tas
 from transformers_async_stop import patching
-from transformers_async_stop import verified
-from transformers_async_stop.targets import SHORTCUTS, TARGETS, Target, present_in
+from transformers_async_stop.release_checks import verified
+from transformers_async_stop.release_checks.targets import SHORTCUTS, TARGETS, Target, present_in
 
 from models import PAD, TRANSFORMERS_VERSION, build, prompt
 
-TARGETS_FILE = inspect.getsourcefile(importlib.import_module("transformers_async_stop.targets"))
+TARGETS_FILE = inspect.getsourcefile(importlib.import_module("transformers_async_stop.release_checks.targets"))
 
 
 class ApplyUnpatch(unittest.TestCase):

@@ -7,7 +7,7 @@ layer scaled (`scale_layer`, `set_scale`) and reset (`unscale_layer`), `merge_ad
 adapter layers disabled or enabled mid-call by a stopping criterion, and last `merge_and_unload()`. Each flag-on
 call is compared with the stock call of the same sequence on a copy built alike (sequences, scores, logits, the RNG
 state after the call); greedy and sampling; DynamicCache and a static cache on Llama, DynamicCache on Qwen2; on the
-CPU under the emulation of CUDA graphs (`graph_emulation.emulated()`) and on CUDA (skipped without it).
+CPU under the emulation of CUDA graphs (`testing.emulation.emulated()`) and on CUDA (skipped without it).
 
 On the dynamic-cache loop's releases the decode forward of a peft model is the eager one, and `last_path().forward`
 names the peft layer the graphed forward has not read; once `merge_and_unload()` leaves only transformers' and torch's
@@ -25,7 +25,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.graph_emulation import emulated
+from transformers_async_stop.testing.emulation import emulated
 
 try:  # a test dependency; where it is missing or does not import with this torch/transformers, the tests say so
     import peft

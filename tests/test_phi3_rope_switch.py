@@ -23,7 +23,7 @@ from parameterized import parameterized
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
-from transformers_async_stop import cache_kwarg
+from transformers_async_stop.release_checks import cache_kwarg
 
 from models import PAD, TRANSFORMERS_VERSION, assert_same, assert_same_cache, build, prompt, stock
 

@@ -29,9 +29,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, StoppingCriteria, Stoppi
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
-from transformers_async_stop import cache_kwarg, masking, piecewise
-from transformers_async_stop.piecewise import eligibility, forward
-from transformers_async_stop.graph_emulation import emulated
+from transformers_async_stop.release_checks import cache_kwarg
+from transformers_async_stop.sync_free import masking
+from transformers_async_stop.graphs import piecewise
+from transformers_async_stop.graphs.piecewise import eligibility, forward
+from transformers_async_stop.testing.emulation import emulated
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
@@ -316,7 +318,7 @@ class AttentionSwap(unittest.TestCase):
     def test_the_registry_is_restored_after_an_error_and_other_callers_pass_through(self):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        from transformers_async_stop.piecewise import graphs
+        from transformers_async_stop.graphs.piecewise import graphs
 
         model = build("llama")
         ids = torch.tensor([[3, 4, 5]])
@@ -341,7 +343,7 @@ class CacheUpdateCall(unittest.TestCase):
     def test_the_models_own_update_call_is_taken(self):
         from transformers import DynamicCache
 
-        from transformers_async_stop.piecewise import graphs
+        from transformers_async_stop.graphs.piecewise import graphs
 
         for family in ("llama", "mistral", "qwen2", "qwen3"):
             model = build_any(family)
@@ -356,7 +358,7 @@ class CacheUpdateCall(unittest.TestCase):
                 self.assertTrue(graphs._plain_update(extra, kwargs), (family, extra, kwargs))
 
     def test_other_update_arguments_are_refused(self):
-        from transformers_async_stop.piecewise import graphs
+        from transformers_async_stop.graphs.piecewise import graphs
 
         self.assertFalse(graphs._plain_update((), {"cache_kwargs": {"sin": 1}}))
         self.assertFalse(graphs._plain_update(({},), {}))
@@ -399,7 +401,7 @@ def _check_against_stock(test, model, ids, mask, **kwargs):
 
 
 class _GraphedForwardCases:
-    """Each case on a device: CUDA, and the CPU with the graphs emulated (`graph_emulation.py`)."""
+    """Each case on a device: CUDA, and the CPU with the graphs emulated (`testing/emulation.py`)."""
 
     DEVICE = "cuda"
 

@@ -1,7 +1,7 @@
 """A replay runs none of the model's Python, so every plain attribute a forward reads (a norm's epsilon, an attention's
 scaling, the rotary embedding's attention scaling, a config field) is baked into the recorded graphs. User code that
 rebinds one (between calls, or mid-call from a criterion) must make the recordings stale, as a replaced parameter
-does: stock reads the new value at its next forward. Run on the CPU with the graphs emulated (`graph_emulation.py`);
+does: stock reads the new value at its next forward. Run on the CPU with the graphs emulated (`testing/emulation.py`);
 the staleness check is the same code on CUDA."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.piecewise import eligibility, forward
-from transformers_async_stop.graph_emulation import emulated
+from transformers_async_stop.graphs.piecewise import eligibility, forward
+from transformers_async_stop.testing.emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
 

@@ -4,7 +4,7 @@ CPU: the draft's decision and the reason it gives in the assisted call's `last_p
 every draft decode step's inputs taken by the recording (the recording itself refused on the CPU, so each step runs
 eagerly, equal to stock), a draft batch other than 1 and the draft switch (`piecewise.DRAFT_ON`) stepping aside.
 
-CUDA (skipped without it), and the CPU with the graphs emulated (`graph_emulation.py`): assisted decoding with the
+CUDA (skipped without it), and the CPU with the graphs emulated (`testing/emulation.py`): assisted decoding with the
 flag, the draft graphed, bit-exact against unpatched transformers (sequences, scores, logits, the returned cache, the
 RNG state after the call), Llama/Mistral/Qwen2/Qwen3 drafts, fp32 and bf16, greedy and sampling.
 """
@@ -21,9 +21,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
-from transformers_async_stop import piecewise
-from transformers_async_stop.piecewise import eligibility, forward, graphs
-from transformers_async_stop.graph_emulation import emulated
+from transformers_async_stop.graphs import piecewise
+from transformers_async_stop.graphs.piecewise import eligibility, forward, graphs
+from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
@@ -115,13 +115,13 @@ class DraftOnTheCpu(unittest.TestCase):
 
 
 def _cache_name():
-    from transformers_async_stop import cache_kwarg
+    from transformers_async_stop.release_checks import cache_kwarg
 
     return cache_kwarg.name()
 
 
 class _GraphedDraftCases:
-    """Each case on a device: CUDA, and the CPU with the graphs emulated (`graph_emulation.py`)."""
+    """Each case on a device: CUDA, and the CPU with the graphs emulated (`testing/emulation.py`)."""
 
     DEVICE = "cuda"
 

@@ -1,4 +1,4 @@
-"""The CPU emulation of CUDA graphs (`graph_emulation.py`) behaves as a CUDA graph does where the piecewise tests
+"""The CPU emulation of CUDA graphs (`testing/emulation.py`) behaves as a CUDA graph does where the piecewise tests
 rely on it: a replay reruns the captured ops on the captured tensors and none of the Python that issued them; in-place
 ops apply once per replay; views follow their base; a host read fails the capture and leaves no capture on; and the
 piecewise path under it runs the model's Python only to prefill and to record."""
@@ -15,8 +15,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, build, prompt
-from transformers_async_stop.piecewise import eligibility
-from transformers_async_stop.graph_emulation import Graph, active, emulated
+from transformers_async_stop.graphs.piecewise import eligibility
+from transformers_async_stop.testing.emulation import Graph, active, emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
 

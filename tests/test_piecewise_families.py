@@ -1,7 +1,7 @@
 """The piecewise-graphed decode forward (`piecewise/`) for the families beyond Llama, Mistral, Qwen2 and Qwen3:
 Phi-3, GPT-2 and Gemma 3 with full-attention layers (and where Gemma 2 and sliding-window Gemma 3 stand).
 
-Each case runs on CUDA (skipped without it) and on the CPU with the graphs emulated (`graph_emulation.py`: the
+Each case runs on CUDA (skipped without it) and on the CPU with the graphs emulated (`testing/emulation.py`: the
 recorded ATen ops replayed without the model's Python, so what a recording bakes in shows as on CUDA): bit-exact
 against unpatched transformers (sequences, scores, logits, the returned cache, contiguous, the RNG state after the
 call), fp32 and bf16, batch 1 and a left-padded batch, greedy and sampling, a returned cache used again; and
@@ -24,9 +24,9 @@ from transformers.utils import logging as hf_logging
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
-from transformers_async_stop import cache_kwarg
-from transformers_async_stop.piecewise import eligibility
-from transformers_async_stop.graph_emulation import emulated
+from transformers_async_stop.release_checks import cache_kwarg
+from transformers_async_stop.graphs.piecewise import eligibility
+from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _check_against_stock, _generate  # the same generate-and-draw and comparison
 
 ON = {eligibility.PIECEWISE_ENV: "1"}

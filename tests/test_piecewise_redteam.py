@@ -1,5 +1,5 @@
 """Holes the red team found in the piecewise-graphed forward, on the CPU under the emulation of CUDA graphs
-(`graph_emulation.emulated()`): each case compares a flag-on call (graphed) with unpatched transformers.
+(`testing.emulation.emulated()`): each case compares a flag-on call (graphed) with unpatched transformers.
 
 Each class names its hole (A-F, B2: the red team of 2026-11-25, /work/notes/redteam-piecewise/); each failed on
 5.17, 5.23 and 5.24 (A on 5.17 only) before its fix in `piecewise/forward.py` / `piecewise/graphs.py`, and pins it.
@@ -18,7 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import transformers_async_stop as tas
 from adversarial_helpers import cache_state
 from models import PAD, TRANSFORMERS_VERSION, build, stock
-from transformers_async_stop.graph_emulation import emulated
+from transformers_async_stop.testing.emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
 REQUIRE_PATH = True  # (a check of the cases themselves turns it off with the emulation: the eager flag run = stock)

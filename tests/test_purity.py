@@ -24,8 +24,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from transformers.generation.logits_process import TopKLogitsWarper
 
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.static_loop import eligibility
-from transformers_async_stop.static_loop.purity import guard_for
+from transformers_async_stop.loops.static_loop import eligibility
+from transformers_async_stop.loops.static_loop.purity import guard_for
 
 CUDA = torch.cuda.is_available()
 

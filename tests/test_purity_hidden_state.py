@@ -28,7 +28,7 @@ from transformers import LogitsProcessor, StoppingCriteria
 
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
 from test_purity import CUDA_PURE, IMPURE, PURE, Learned, Noise, _CountCaptures, _inputs, _reset, _static_generate
-from transformers_async_stop.static_loop.purity import guard_for
+from transformers_async_stop.loops.static_loop.purity import guard_for
 
 CUDA = torch.cuda.is_available()
 VOCAB = 48

@@ -19,7 +19,7 @@ from transformers import LogitsProcessor
 
 from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
 from test_purity import _INTEGRATED, DEVICES, _CountCaptures, _inputs, _static_generate
-from transformers_async_stop.static_loop.purity import guard_for
+from transformers_async_stop.loops.static_loop.purity import guard_for
 
 _INDEX_PUT = ("index_put", "index_put_", "_index_put_impl_")
 _MASKED_FILL = ("masked_fill", "masked_fill_")

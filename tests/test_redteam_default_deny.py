@@ -19,7 +19,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, build, stock
-from transformers_async_stop.graph_emulation import emulated
+from transformers_async_stop.testing.emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
 KNOB = {"strength": 0.0}  # a module-level global user code reads
@@ -522,7 +522,7 @@ class TorchSettingsOutsideTheGetters(unittest.TestCase):
     def test_tunableop_switched_on_is_part_of_the_recording_key(self):
         # hole R11 (CUDA): `torch.cuda.tunable.enable()` makes GEMMs run tuned solutions; its readers are not
         # `torch._C._get_*`, so the key (and its drift test) missed it and a replay kept the kernels of the other state
-        from transformers_async_stop.piecewise import settings
+        from transformers_async_stop.graphs.piecewise import settings
 
         tunable = torch.cuda.tunable
         before = tunable.is_enabled()

@@ -9,8 +9,8 @@ import warnings
 import torch
 
 import transformers_async_stop as tas
-from transformers_async_stop import release_notice, verified
-from transformers_async_stop.targets import SHORTCUTS, present_in
+from transformers_async_stop.release_checks import release_notice, verified
+from transformers_async_stop.release_checks.targets import SHORTCUTS, present_in
 
 from models import PAD, TRANSFORMERS_VERSION, build, prompt, stock
 

@@ -15,7 +15,7 @@ from parameterized import parameterized
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from models import PAD, assert_same, build, prompt, stock
-from transformers_async_stop.dynamic_loop import eligibility
+from transformers_async_stop.loops.dynamic_loop import eligibility
 
 LOOPS = {"dynamic_loop": {}, "own_loop": {eligibility.DYNAMIC_LOOP_ENV: "0"}}
 

@@ -23,9 +23,9 @@ from transformers.utils.import_utils import direct_transformers_import
 
 import transformers_async_stop
 from models import PAD, assert_same, build, prompt, stock
-from transformers_async_stop import verified
-from transformers_async_stop.graph_emulation import emulated
-from transformers_async_stop.targets import SHORTCUTS
+from transformers_async_stop.release_checks import verified
+from transformers_async_stop.testing.emulation import emulated
+from transformers_async_stop.release_checks.targets import SHORTCUTS
 
 
 class TransformersUnderASecondPath(unittest.TestCase):

@@ -31,8 +31,9 @@ from models import (
     prompt,
     stock,
 )
-from transformers_async_stop import graph_safe, static_loop
-from transformers_async_stop.static_loop import eligibility, inputs, tail
+from transformers_async_stop import graph_safe
+from transformers_async_stop.loops import static_loop
+from transformers_async_stop.loops.static_loop import eligibility, inputs, tail
 
 LOOP_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
 CUDA = torch.cuda.is_available()

@@ -349,7 +349,7 @@ class StaticLoopUsage(unittest.TestCase):
     def test_a_source_rebound_after_its_verdict_turns_its_shortcut_off(self, _, wraps):
         from transformers.generation import logits_process as lp
 
-        from transformers_async_stop.verified import matches
+        from transformers_async_stop.release_checks.verified import matches
 
         original = lp.TopKLogitsWarper.__call__
         self.assertTrue(matches("static decode loop"))  # the verdict, taken on the original and kept

@@ -17,8 +17,9 @@ import transformers.generation.utils as gen_utils
 from parameterized import parameterized
 
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, eos_ids_finishing_at, prompt, stock
-from transformers_async_stop import patching, static_mask
-from transformers_async_stop.static_loop.eligibility import STATIC_LOOP_ENV
+from transformers_async_stop import patching
+from transformers_async_stop.sync_free import static_mask
+from transformers_async_stop.loops.static_loop.eligibility import STATIC_LOOP_ENV
 
 PLAN_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
 

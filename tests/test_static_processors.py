@@ -30,8 +30,8 @@ from transformers import (
 )
 
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, eos_ids_finishing_at, prompt, stock
-from transformers_async_stop.static_loop import eligibility, processors, tail
-from transformers_async_stop.verified import matches
+from transformers_async_stop.loops.static_loop import eligibility, processors, tail
+from transformers_async_stop.release_checks.verified import matches
 
 LOOP_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
 CUDA = torch.cuda.is_available()
@@ -373,7 +373,7 @@ class SettingsChangedMidCall(unittest.TestCase):
         for verdict in (True, False):
             calls.clear()
             fake = mock.Mock(guard_for=lambda p, v=verdict: FakeGuard(p, v) if isinstance(p, Softmax) else None)
-            with mock.patch.dict("sys.modules", {"transformers_async_stop.static_loop.purity": fake}):
+            with mock.patch.dict("sys.modules", {"transformers_async_stop.loops.static_loop.purity": fake}):
                 _, _, plans = run_both(self, model, ids, mask, make=lambda: dict(
                     logits_processor=LogitsProcessorList([Softmax()])), **_kwargs(model, ids, mask, sampling=True))
             plan, t = plans.plans[0], plans.tails[0]
@@ -386,10 +386,10 @@ class SettingsChangedMidCall(unittest.TestCase):
             def __call__(self, input_ids, scores):
                 return scores
 
-        with mock.patch.dict("sys.modules", {"transformers_async_stop.static_loop.purity": None}):
+        with mock.patch.dict("sys.modules", {"transformers_async_stop.loops.static_loop.purity": None}):
             self.assertIsNone(eligibility._purity_guard(Mine()))
         broken = mock.Mock(guard_for=mock.Mock(side_effect=RuntimeError("boom")))
-        with mock.patch.dict("sys.modules", {"transformers_async_stop.static_loop.purity": broken}):
+        with mock.patch.dict("sys.modules", {"transformers_async_stop.loops.static_loop.purity": broken}):
             self.assertIsNone(eligibility._purity_guard(Mine()))
 
 

@@ -23,7 +23,7 @@ from unittest import mock
 import torch
 
 import transformers_async_stop
-from transformers_async_stop import step_lists
+from transformers_async_stop.control import step_lists
 from models import PAD, build, prompt, stock
 
 needs_cuda = unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
@@ -65,7 +65,7 @@ class TheFirstStepsInputIsFound(unittest.TestCase):
         self.assertIsNone(step_lists._loop_unfinished(sys._getframe(0), torch.zeros(3, 4, dtype=torch.long)))
 
     def test_where_it_is_not_found_the_criteria_stay_on_the_main_stream(self):
-        from transformers_async_stop.controller import AsyncStop
+        from transformers_async_stop.control.controller import AsyncStop
 
         ctl = AsyncStop(torch.zeros(2, 3, dtype=torch.long), 8, done_when="unfinished")
         self.assertTrue(ctl.side_ok)

@@ -265,7 +265,7 @@ class Issue25DimensionsTakeEffect(unittest.TestCase):
     def test_off_scenarios_turn_the_graphed_forward_off(self):
         # `graphed: off` (on CUDA: the natural path's opposite) turns the path off by its environment switch: shown
         # with the emulation on around the run, where the path would be taken otherwise
-        from transformers_async_stop.graph_emulation import emulated
+        from transformers_async_stop.testing.emulation import emulated
 
         sc = next(c for c in (draw(seed, "cpu") for seed in range(3000))
                   if c.get("graphed") == "off" and len(c["turns"]) == 1 and not c["turns"][0]["processors"]

@@ -13,7 +13,7 @@ its verdict as (batch, 1) and / or as long / uint8 (`ret`).
 
 Issue 27's `graphed` (per scenario, for the scenarios the piecewise-graphed forward may take: a dynamic cache, SDPA,
 a family it reads, a rope without per-length state): on the CPU `emulated` (the flag run's calls inside
-`graph_emulation.emulated()`, so the graphed path records and replays there) or `off`; on CUDA, where the path
+`testing.emulation.emulated()`, so the graphed path records and replays there) or `off`; on CUDA, where the path
 is taken as it is, `natural` or `off` (`TRANSFORMERS_ASYNC_STOP_PIECEWISE=0`). Stock's runs are unaffected.
 """
 

@@ -10,7 +10,7 @@
 - `tensor_flags`: whether each tensor of an output or cache is an inference tensor / requires grad (a user's in-place
   edit of an inference tensor outside inference mode raises: it is observable);
 - `graphed_context`: the piecewise-graphed forward as the scenario's `graphed` draws it for the flag run: `emulated`
-  (the CPU emulation of CUDA graphs, `graph_emulation.py`: the path runs on CPU models), `off`
+  (the CPU emulation of CUDA graphs, `testing/emulation.py`: the path runs on CPU models), `off`
   (`TRANSFORMERS_ASYNC_STOP_PIECEWISE=0`), `natural` (as the device takes it: on CUDA, graphed);
 - `alias_signature`: which of the tensors the caller got (output scores, logits, what callbacks received and kept,
   streamer values) are the same object or share storage with an earlier one (an in-place edit of one shows in the
@@ -87,10 +87,10 @@ def grad_context(name):
 @contextlib.contextmanager
 def graphed_context(value):
     """The flag run's piecewise forward as drawn (`usage_dimensions._graphed`); None or `natural`: as it is."""
-    from transformers_async_stop.piecewise import PIECEWISE_ENV
+    from transformers_async_stop.graphs.piecewise import PIECEWISE_ENV
 
     if value == "emulated":
-        from transformers_async_stop.graph_emulation import emulated
+        from transformers_async_stop.testing.emulation import emulated
 
         with emulated(), _env(PIECEWISE_ENV, "1"):  # (on even where the environment turned it off)
             yield

@@ -8,11 +8,11 @@ configs and models created while patched. `last_path()` says which path the last
 """
 
 from .config import FORCE_ENV, StockPathWarning
-from .module_state import passive_hook
+from .undo.module_state import passive_hook
 from .patching import apply, is_patched, skipped, unpatch
 from .path_report import CallPath, last_path
-from .release_notice import NewerReleaseWarning
-from .static_loop import graph_safe
+from .release_checks.release_notice import NewerReleaseWarning
+from .loops.static_loop import graph_safe
 
 __version__ = "0.2.0"
 __all__ = ["apply", "unpatch", "is_patched", "skipped", "graph_safe", "passive_hook", "last_path", "CallPath", "StockPathWarning",

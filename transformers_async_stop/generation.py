@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import torch
 
-from . import cache_kwarg
-from .cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
-from .call_state import CALL, CallState, active_controller, active_draft, compiling
-from .module_state import why_stateful
-from .config import FIELD, _mark, check_flag, flag_of, runs_stock, warn_stock
-from . import concurrency, dynamic_loop, padding_check, static_loop
+from .release_checks import cache_kwarg
+from .undo.cache_rollback import cache_blocks_deferral, loop_cache, rollback_one_step, why_not_rollbackable
+from .state.call_state import CALL, CallState, active_controller, active_draft, compiling
+from .undo.module_state import why_stateful
+from .config import FIELD, _mark, check_flag, flag_of
+from .control.stock_path import runs_stock, warn_stock
+from .state import concurrency
+from .loops import dynamic_loop, static_loop
+from .sync_free import padding_check
 from . import path_report
-from .controller import AsyncStop
+from .control.controller import AsyncStop
 from .patching import MARKER
-from .peers import PeerVerdict
-from .step_lists import ExtraStepStreamer, JoiningLogitsProcessors, SideStreamCriteria
+from .control.peers import PeerVerdict
+from .control.step_lists import ExtraStepStreamer, JoiningLogitsProcessors, SideStreamCriteria
 
 
 # --- generate() ------------------------------------------------------------------------------------------------
@@ -64,8 +67,9 @@ def patched_padding_warning(original, target):
 
 
 # --- _sample ---------------------------------------------------------------------------------------------------
-def _route_a() -> bool:
-    """5.17+: the module builds its stop check from our `DeferredStopCheck` subclass."""
+def _loop_undoes_steps() -> bool:
+    """The 5.17+ loop shape: `_sample` builds its stop check from our `DeferredStopCheck` subclass and itself undoes
+    the steps that stop check reports (4.57-5.16: `_undo_steps_after_loop` does, after `_sample` returns)."""
     import transformers.generation.utils as gen_utils
 
     return getattr(getattr(gen_utils, "DeferredStopCheck", None), MARKER, False) is True
@@ -98,13 +102,13 @@ def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | Non
     reason = why_stateful(model)
     if reason is not None:
         return reason
-    route_a = _route_a()
-    if not route_a:
+    loop_undoes_steps = _loop_undoes_steps()
+    if not loop_undoes_steps:
         reason = cache_out_of_sight(model, generation_config, model_kwargs)
         if reason is not None:
             return reason
     if synced_gpus:
-        if not route_a:
+        if not loop_undoes_steps:
             # 4.57-5.16 test the loop's device-tensor verdict on the host for `continue`: a sync we cannot remove
             return "`synced_gpus=True` is made async on transformers 5.17+ only"
         if cache_is_returned(generation_config, model_kwargs):
@@ -113,7 +117,7 @@ def _why_stock(model, generation_config, synced_gpus, model_kwargs) -> str | Non
             return "`synced_gpus=True` with a returned cache is not made async"
     cache = loop_cache(model_kwargs)
     if cache is not None and cache_is_returned(generation_config, model_kwargs):
-        return cache_blocks_deferral(cache, route_a)
+        return cache_blocks_deferral(cache, loop_undoes_steps)
     return None
 
 
@@ -133,11 +137,11 @@ def patched_sample(original, target):
             return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                             synced_gpus=synced_gpus, streamer=streamer, **model_kwargs)
 
-        route_a = _route_a()
+        loop_undoes_steps = _loop_undoes_steps()
         ctl = state.ctl = (AsyncStop if draft is None else draft.controller)(
-            input_ids, stopping_criteria.max_length, done_when="unfinished" if route_a else "finished",
-            streamer=streamer if route_a else None,
-            cache_returned=cache_is_returned(generation_config, model_kwargs), route_a=route_a,
+            input_ids, stopping_criteria.max_length, done_when="unfinished" if loop_undoes_steps else "finished",
+            streamer=streamer if loop_undoes_steps else None,
+            cache_returned=cache_is_returned(generation_config, model_kwargs), loop_undoes_steps=loop_undoes_steps,
         )
         ctl.watch_hooks(self)
         ctl.watch_positions(self)
@@ -148,12 +152,12 @@ def patched_sample(original, target):
             ctl.peers = PeerVerdict(input_ids.device)
         if draft is not None:
             stopping_criteria = draft.criteria(stopping_criteria)
-        loop_streamer = streamer if (route_a or streamer is None) else ExtraStepStreamer(streamer, ctl)
+        loop_streamer = streamer if (loop_undoes_steps or streamer is None) else ExtraStepStreamer(streamer, ctl)
         # a static cache on 5.17+: the package's own loop, inputs advanced in place and the step's tail replayed
-        loop_plan = None if draft is not None or not route_a else static_loop.plan_loop(
+        loop_plan = None if draft is not None or not loop_undoes_steps else static_loop.plan_loop(
             self, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs)
         # a dynamic cache on 5.17+: the package's lean loop, each step's inputs made from the previous step's
-        lean_plan = None if loop_plan is not None or not route_a else dynamic_loop.plan_loop(
+        lean_plan = None if loop_plan is not None or not loop_undoes_steps else dynamic_loop.plan_loop(
             self, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs)
         try:
             if loop_plan is not None:
@@ -165,7 +169,7 @@ def patched_sample(original, target):
                 outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
                                    SideStreamCriteria(stopping_criteria, ctl), generation_config,
                                    synced_gpus=synced_gpus, streamer=loop_streamer, **model_kwargs)
-                outputs = own_sequences(ctl, outputs) if route_a else outputs
+                outputs = own_sequences(ctl, outputs) if loop_undoes_steps else outputs
         except BaseException:
             ctl.abort()
             raise
@@ -173,8 +177,8 @@ def patched_sample(original, target):
             state.ctl = None
             ctl.close()
         path_report.deferred_loop(ctl)
-        if not route_a:
-            outputs = _undo_route_b(ctl, outputs, model_kwargs)
+        if not loop_undoes_steps:
+            outputs = _undo_steps_after_loop(ctl, outputs, model_kwargs)
         return outputs
 
     return _mark(_sample, original)
@@ -183,7 +187,7 @@ def patched_sample(original, target):
 def patched_has_unfinished_sequences(original, target):
     def _has_unfinished_sequences(self, this_peer_finished, synced_gpus, device=None, *args, **kwargs):
         ctl = active_controller()
-        if ctl is None or ctl.route_a and not synced_gpus:
+        if ctl is None or ctl.loop_undoes_steps and not synced_gpus:
             return original(self, this_peer_finished, synced_gpus, device, *args, **kwargs)
         if synced_gpus:
             if ctl.peers is None:
@@ -199,7 +203,7 @@ def patched_has_unfinished_sequences(original, target):
     return _mark(_has_unfinished_sequences, original)
 
 
-def _undo_route_b(ctl: AsyncStop, outputs, model_kwargs):
+def _undo_steps_after_loop(ctl: AsyncStop, outputs, model_kwargs):
     """Undo the extra step in what a 4.57-5.16 `_sample` returned (5.17+ does this itself)."""
     steps = ctl.finish()
     if not steps:

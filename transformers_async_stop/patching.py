@@ -11,11 +11,11 @@ import importlib
 import logging
 import threading
 
-from .targets import TARGETS, Target, present_in
+from .config import MARKER, restore_field, strip_field
+from .release_checks.targets import TARGETS, Target, present_in
 
 logger = logging.getLogger("transformers_async_stop")
 
-MARKER = "_transformers_async_stop_patched"
 _MISSING = object()
 
 # (id(owner), attr) -> (target name, owner, attr, the raw value found in owner.__dict__ or _MISSING)
@@ -67,8 +67,6 @@ def apply() -> list[str]:
             setattr(owner, target.attr, replacement)
             patched.append(target.name)
         if patched:
-            from .config import restore_field
-
             restore_field()
     return patched
 
@@ -105,8 +103,6 @@ def unpatch() -> list[str]:
             restored.append(name)
         _ORIGINALS.clear()
         if restored:
-            from .config import strip_field
-
             strip_field()  # configs created while patched: see config.py
     return restored
 

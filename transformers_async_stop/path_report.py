@@ -1,8 +1,8 @@
 """Which path each `generate()` call took, and why: `last_path()` and the `transformers_async_stop` logger.
 
 A call that asks for the flag (`async_stopping_criteria` set to True or False in the call, its generation config or
-the model's) gets a `CallPath`. The decoding method's wrapper fills it in as it decides (`runs_stock` in config.py,
-`deferred_loop`, `static_loop`, `stock`), and when the call returns it becomes this thread's `last_path()` and one
+the model's) gets a `CallPath`. The decoding method's wrapper fills it in as it decides (`runs_stock` in
+control/stock_path.py, `deferred_loop`, `static_loop`, `stock`), and when the call returns it becomes this thread's `last_path()` and one
 INFO line of the logger. A `generate()` nested inside another one's processor or criterion has its own report; the
 outer call ends later, so its report is the one left as `last_path()`. An assistant's own `generate()` inside
 assisted decoding reports nothing: the assisted call's report covers it.
@@ -15,7 +15,8 @@ import dataclasses
 import logging
 import threading
 
-from .call_state import CALL, active_draft, compiling
+from .config import FIELD
+from .state.call_state import CALL, active_draft, compiling
 
 logger = logging.getLogger("transformers_async_stop")
 
@@ -102,8 +103,6 @@ def last_path() -> CallPath | None:
 # --- the generate() wrapper ---------------------------------------------------------------------------------------
 def begin(model, kwargs: dict):
     """Open the call's report if it asks for the flag; returns the token `end()` takes (None: nothing to report)."""
-    from .config import FIELD
-
     outer = CALL.get()
     if outer is not None and outer.drafting is not None:
         return None  # an assistant's draft inside a deferred assisted call
@@ -153,7 +152,7 @@ def _own() -> CallPath | None:
 
 
 def decided(method: str, stock_reason: str | None, deferred: bool) -> None:
-    """A decoding method chose its loop (`config.runs_stock`)."""
+    """A decoding method chose its loop (`stock_path.runs_stock`)."""
     report = _own()
     if report is None:
         return

@@ -237,7 +237,7 @@ TITLES = ("run", "variant", "ms/accepted tok", "floor ms", "accept rate", "tok/r
 
 
 def rows(result: dict) -> list[tuple[str, ...]]:
-    from .report import _fmt
+    from .tables import _fmt
 
     out = []
     for r in result["runs"]:
@@ -261,7 +261,7 @@ def text_report(result: dict) -> str:
     found = rows(result)
     if not found:
         return ""
-    from .report import _aligned
+    from .tables import _aligned
 
     return "\n".join(["", LEGEND, _aligned([TITLES] + found)])
 
@@ -270,6 +270,6 @@ def markdown(result: dict) -> str:
     found = rows(result)
     if not found:
         return ""
-    from .report import _md_table
+    from .tables import _md_table
 
     return "\n".join(["", LEGEND + ".", "", _md_table(TITLES, found), ""])

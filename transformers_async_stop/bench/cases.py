@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-from ..static_loop import graph_safe
+from ..loops.static_loop import graph_safe
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("eager", "static")
@@ -189,7 +189,8 @@ def llama_1b_config() -> LlamaConfig:
                        num_key_value_heads=8, vocab_size=128256)
 
 
-def builtin_cases() -> dict[str, Case]:
+def plain_cases() -> dict[str, Case]:
+    """The built-in cases but assisted decoding's (`catalog.builtin_cases` adds those)."""
     tiny, llama_1b = tiny_llama_config(), llama_1b_config()
     return {
         "tiny-llama": Case("tiny-llama", _from_config(tiny), (1,), 64, 8, "fp32", pad_token_id=0, tiny=True,
@@ -216,14 +217,7 @@ def builtin_cases() -> dict[str, Case]:
                               plan=(("eager", "greedy"),), opt_in=True,
                               about="the Llama-1B-shaped bf16 model with a peft LoRA adapter (r=16 on every "
                                     "projection), greedy b1 DynamicCache (tiny on CPU; needs peft)"),
-        **_assisted_cases(),
     }
-
-
-def _assisted_cases() -> dict[str, Case]:
-    from .assisted import assisted_cases
-
-    return assisted_cases()
 
 
 def model_case(path: str) -> Case:

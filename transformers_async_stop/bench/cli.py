@@ -1,4 +1,32 @@
-"""The command line: options, the loop over cases and runs, the host-speed reference, and the outputs."""
+"""Side-by-side decode benchmark: transformers as shipped vs this package, flag off and on, vs upstream's
+DeferredStopCheck, vs the GPU floor.
+
+    python -m transformers_async_stop.bench                       # every case that fits the device
+    python -m transformers_async_stop.bench --quick               # tiny cases only (CPU CI)
+    python -m transformers_async_stop.bench --cases llama-1b --modes static --json out.json --markdown out.md
+
+Every case builds one model (random weights from a config, no hub download) and runs every variant on it, in one
+process:
+
+- stock:    transformers as shipped: the package unpatched (re-applied afterwards), no flag keyword;
+- imported: the package applied, async_stopping_criteria=False;
+- async:    the package applied, async_stopping_criteria=True;
+- upstream: the package unpatched, transformers' own DeferredStopCheck (5.17+) forced on for CUDA;
+- floor:    GPU kernel time per decode step of the async run (torch.profiler), CUDA only.
+
+ms/token: per rep, (t_N - t_1) / (N - 1) from an N-token and a 1-token call made back to back; the median over reps,
+with the interquartile range as the spread. The variants run interleaved rep by rep, the order rotated each rep.
+Every call generates exactly its budget (min_new_tokens == max_new_tokens), so the variants do the same work.
+Speedups are against stock; async is also compared with upstream, and imported with stock (must stay within 2%).
+On CPU no ratio is printed: nothing about GPU idle time is measured there.
+
+Modules: cases (what runs), assisted (assisted decoding's cases and figures), catalog (the built-in cases), variants
+(how transformers is set up for each), measure (timing, exactness, ratios), gpu (syncs, floor, traces), report (table,
+Markdown, JSON, PNG), tables (their cells), cli (options and main).
+"""
+
+# The command line: options, the loop over cases and runs, the host-speed reference, and the outputs. This
+# docstring is the --help text and the package's docstring (`bench/__init__.py` takes it from here).
 
 from __future__ import annotations
 
@@ -14,9 +42,9 @@ import torch
 
 from .. import apply
 from ..config import FORCE_ENV
-from . import __doc__ as PACKAGE_DOC
 from . import assisted, gpu, report
-from .cases import DTYPES, MODES, REFERENCE_CASE, Case, Run, builtin_cases, plan_runs, run_of
+from .cases import DTYPES, MODES, REFERENCE_CASE, Case, Run, plan_runs, run_of
+from .catalog import builtin_cases
 from .measure import error_record, measure_run
 from .variants import VARIANTS, Selection, select
 
@@ -26,7 +54,7 @@ REPS = 7
 
 def parse_args(argv, cases: dict[str, Case] | None = None):
     cases = builtin_cases() if cases is None else cases
-    p = argparse.ArgumentParser(prog="python -m transformers_async_stop.bench", description=PACKAGE_DOC,
+    p = argparse.ArgumentParser(prog="python -m transformers_async_stop.bench", description=__doc__,
                                 epilog=cases_help(cases), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", help="comma list of the cases below (default: every case not marked opt-in that fits "
                                    "the device; the tiny ones only on CPU and with --quick)")

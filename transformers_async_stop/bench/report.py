@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import platform
 import shutil
@@ -16,6 +15,7 @@ import transformers
 
 from .. import __version__
 from ..config import force_deferred
+from .tables import _aligned, _fmt, _md_table
 
 NO_CUDA_MESSAGE = (
     "CUDA not available: blocking syncs per step, GPU-busy, the floor and memory are counted on CUDA only"
@@ -94,12 +94,6 @@ def _nvidia_driver() -> str | None:
 
 
 # --- table --------------------------------------------------------------------------------------------------------
-def _fmt(value, spec: str, suffix: str = "") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec) + suffix
-
-
 def _exact(m: dict, run: dict) -> str:
     if m.get("exact") is None:
         return ""
@@ -140,13 +134,6 @@ def table_rows(runs: list[dict], cuda: bool) -> list[tuple[str, ...]]:
         if r["floor_ms_per_token"] is not None:
             rows.append(key + ("floor", _fmt(r["floor_ms_per_token"], ".3f")) + ("",) * (len(cols) - 1))
     return rows
-
-
-def _aligned(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def ratio_rows(runs: list[dict]) -> list[tuple[str, ...]]:
@@ -241,12 +228,6 @@ def markdown(result: dict) -> str:
     from . import assisted
 
     return "\n".join(lines) + assisted.markdown(result)
-
-
-def _md_table(titles, rows) -> str:
-    out = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
-    out += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
-    return "\n".join(out)
 
 
 def write_outputs(result: dict, args) -> None:

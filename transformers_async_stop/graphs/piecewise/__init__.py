@@ -1,0 +1,52 @@
+"""The eager decode forward of a dynamic cache, replayed from CUDA graphs piece by piece (flag on, 5.17+, CUDA).
+
+With the default `DynamicCache` every decode step runs the model's eager forward: hundreds of kernel launches, each
+behind Python, so the GPU of a small or mid-sized model mostly waits for the host. Only two parts of a decode step
+change shape with the length: the cache append (`Cache.update`, a `torch.cat`) and the attention over the cache.
+Everything between them (the embedding, each layer's norms, projections, rotary embedding, residuals and MLP, the
+final norm and the LM head) has fixed shapes for a given batch. Those pieces are captured into CUDA graphs from the
+model's own eager kernels (no compiler, no kernel change), and each step replays them with the cache append and the
+attention run eagerly between them, exactly as the model runs them (`graphs.py`). A CUDA graph replays the launches
+it captured, so every value is the eager forward's.
+
+- `eligibility.py`: which models and calls take it (everything the forward decides in Python per step must be a
+  decision the package has read; every other model steps aside, with the reason in `last_path().forward`);
+- `graphs.py`: the recording (the model's forward run once with the split points intercepted) and the replay;
+- `forward.py`: the per-call forward the dynamic-cache loop calls, with the per-step checks (inputs, staleness,
+  recording key) and the per-model store (freed with the model).
+
+`forward_for` is the loop's one entry point. `TRANSFORMERS_ASYNC_STOP_PIECEWISE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+from ... import path_report
+from .eligibility import PIECEWISE_ENV, why_not_model
+from .forward import PiecewiseForward
+
+__all__ = ["PIECEWISE_ENV", "forward_for"]
+
+# the assistant's draft steps of assisted decoding take the path too (False: they keep their eager forward; a switch
+# that removes the draft's use alone, should it fail where the dynamic loop's own does not)
+DRAFT_ON = True
+
+
+def forward_for(model, model_forward, generation_config):
+    """The forward the dynamic-cache loop calls for its decode steps, or None where it keeps `model_forward` (the
+    reason goes to `last_path().forward`).
+
+    An assistant's draft loop inside a deferred assisted call (`assisted/draft.py`) takes it too: each draft step is
+    a one-token decode forward of the assistant with its `DynamicCache`, at batch 1 (assisted decoding's only batch;
+    any other steps aside per step). The draft reports nothing of its own, so its forward is told in the assisted
+    call's `last_path().forward`, prefixed "draft " (the last round's count of replayed steps)."""
+    draft = bool(getattr(generation_config, "is_assistant", False))
+    if draft and not DRAFT_ON:
+        return None
+    report = path_report._current()
+    label = "draft " if draft else ""
+    why = why_not_model(model, model_forward)
+    if why is not None:
+        if report is not None:
+            report.forward = f"{label}eager: {why}"
+        return None
+    return PiecewiseForward(model, model_forward, report, draft=draft)

@@ -1,0 +1,267 @@
+"""Which models and calls the piecewise-graphed forward takes, decided once per call: a reason, or None.
+
+A replay runs no Python of the model's forward: every decision the forward makes in Python is baked into the graphs at
+the recording. So the path is taken only where each such decision is one the package has read and knows does not
+change with the length or the step (the sources behind `targets.SHORTCUTS` "piecewise forward (<family>)"):
+
+- one of the families read (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2, Gemma 3 text), exactly their
+  causal LM and base classes, full attention only (no sliding window: its mask and its cache change with the length),
+  no cross-attention, no bidirectional attention, no attention logit soft-capping, SDPA from transformers' own registry;
+- a rotary embedding without per-length state (`dynamic`/`longrope` update their frequencies from the positions), or
+  none (GPT-2's learned position table, read in the first piece from the positions buffer);
+- no hook anywhere in the model and no instance-level `forward` (accelerate's wrappers, offloading, user hooks, and
+  the output-capturing hooks transformers installs once attentions or hidden states were asked for), not training,
+  no gradient and no autocast (their state is read in Python per op);
+- every parameter and buffer a plain tensor on the model's one CUDA device: no `device_map` across devices, no
+  tensor parallelism (DTensor parameters, `tp_size`), no process group, no quantized weights (`hf_quantizer`), no
+  meta (offloaded) tensors;
+- a forward that is the model's own `__call__` (not compiled), and a `DynamicCache` of `DynamicLayer`s;
+- default-deny (`proven.py`): every module of the model is one of the family's classes whose sources were read and
+  digested, or one of torch's own modules on a short list, with no instance-level override; a user module, a peft
+  adapter layer, a wrapper or a subclass anywhere keeps the forward eager, named in the reason. The torch functions the
+  forward's code looks up must be torch's own.
+Everything else keeps the eager forward, and `last_path().forward` says why.
+
+Gemma 3 in its released configs, and Gemma 2, never get here: their layers alternate sliding-window and full attention
+(the default `layer_types`), and a `DynamicCache` of `DynamicSlidingWindowLayer`s is left by the dynamic-cache loop to
+the deferred path (`dynamic_loop/eligibility.py`). Only a Gemma 3 configured with full-attention layers alone reaches
+this forward (graphed; with sliding layers it would step aside, "layers other than full attention"). Gemma 2 is not
+read ("model family ... not proven"): transformers refuses SDPA for it at construction (its soft-capping).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+
+from ...state.call_state import compiling
+from ...release_checks.verified import matches, sources_of
+from ..backend import emulates
+from . import proven
+from .graphs import watched_functions
+
+PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"
+
+# the modeling module's functions a replay skips, watched for rebinding (those a module does not have are left out)
+_WATCHED_GLOBALS = ("apply_rotary_pos_emb", "rotate_half", "create_causal_mask", "ALL_ATTENTION_FUNCTIONS")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family read for the path: where its attention modules and rotary embedding are, and what else of its
+    forward is decided in Python."""
+
+    name: str
+    module: str  # the modeling module
+    causal_lm: str  # the causal LM class (the base model's class is the `FAMILIES` key)
+    layers: str = "layers"  # the base model's attribute holding its decoder layers
+    attention: str = "self_attn"  # each layer's attention module (the one that calls the cache update)
+    rotary: str | None = "rotary_emb"  # the base model's rotary embedding (None: a learned position table)
+    watched: tuple = _WATCHED_GLOBALS
+    # the base forward starts with `warn_if_padding_and_no_attention_mask` (GPT-2): run before each replay
+    checks_padding: bool = False
+    # each layer's window is its `layer_types` entry (Gemma 3: `sliding_window` is set, used by sliding layers only)
+    windows_by_layer_type: bool = False
+
+    def attentions(self, base, config) -> list:
+        return [getattr(layer, self.attention) for layer in getattr(base, self.layers)[: config.num_hidden_layers]]
+
+
+# base model class -> its family
+FAMILIES = {
+    "LlamaModel": Family("llama", "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
+    "MistralModel": Family("mistral", "transformers.models.mistral.modeling_mistral", "MistralForCausalLM"),
+    "Qwen2Model": Family("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
+    "Qwen3Model": Family("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
+    # fused qkv_proj / gate_up_proj, a partial rotary (static): pieces like Llama's. Its own input preparation is
+    # called at every step by the dynamic-cache loop (`dynamic_loop/eligibility._OWN_INPUTS`)
+    "Phi3Model": Family("phi3", "transformers.models.phi3.modeling_phi3", "Phi3ForCausalLM",
+                        watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask")),
+    # a learned position table (`wpe`, in piece 0) instead of a rotary embedding, Conv1D projections, a fused c_attn
+    # split into q/k/v; cross-attention (an `EncoderDecoderCache`) steps aside
+    "GPT2Model": Family("gpt2", "transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", layers="h",
+                        attention="attn", rotary=None, watched=("create_causal_mask", "ALL_ATTENTION_FUNCTIONS"),
+                        checks_padding=True),
+    # Gemma 3 (text): full-attention layers only (`layer_types`; the released configs' sliding layers keep it off the
+    # dynamic-cache loop), one rope per layer type (each static), q/k norms, a scaled embedding, the final logit
+    # soft-capping in the last piece (a config branch); the sliding mask it also makes is unused by full layers
+    "Gemma3TextModel": Family("gemma3", "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM",
+                              watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask"),
+                              windows_by_layer_type=True),
+}
+# rope types whose frequencies are fixed at init (the `dynamic_rope_update` decorator does nothing for them)
+STATIC_ROPE = frozenset(("default", "linear", "llama3", "yarn"))
+
+
+# taken unless `TRANSFORMERS_ASYNC_STOP_PIECEWISE=0` (False would take it only with `TRANSFORMERS_ASYNC_STOP_PIECEWISE=1`)
+DEFAULT_ON = True
+
+
+def why_off() -> str | None:
+    """Why the environment keeps the path off (None: on)."""
+    value = os.environ.get(PIECEWISE_ENV, "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return f"{PIECEWISE_ENV}={value}"
+    if value in ("1", "true", "yes", "on") or DEFAULT_ON:
+        return None
+    return f"off by default ({PIECEWISE_ENV}=1 turns it on)"
+
+
+def base_of(model):
+    return getattr(model, getattr(model, "base_model_prefix", ""), None)
+
+
+def why_not_model(model, model_forward) -> str | None:
+    """Why this model's decode forward cannot be replayed piecewise (None: it can), from what holds for a whole call.
+    The device comes last, so every other reason is also told on the CPU."""
+    off = why_off()
+    if off is not None:
+        return off
+    if compiling():
+        return "inside torch.compile"
+    if model_forward != model.__call__:
+        return "a compiled forward"
+    base = base_of(model)
+    family = FAMILIES.get(type(base).__name__) if base is not None else None
+    if family is None:
+        return f"model family {type(model).__name__} not proven"
+    name, causal_lm = family.name, family.causal_lm
+    module = sys.modules.get(family.module)
+    if (module is None or type(base) is not getattr(module, type(base).__name__, None)
+            or type(model) is not getattr(module, causal_lm, None)):
+        return f"{type(model).__name__} is not transformers' own {causal_lm}"
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"attention implementation {getattr(config, '_attn_implementation', None)!r} (only sdpa is proven)"
+    if not getattr(config, "is_causal", True):
+        return "not a causal model"
+    if getattr(config, "add_cross_attention", False):
+        return "cross-attention layers"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping (SDPA refuses it)"
+    if not family.windows_by_layer_type and getattr(config, "sliding_window", None) is not None and (
+            name == "mistral" or getattr(config, "use_sliding_window", True)):
+        return "sliding-window attention"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return "layers other than full attention"
+    if family.rotary is not None:
+        rope = getattr(getattr(base, family.rotary, None), "rope_type", None)
+        for kind in rope.values() if isinstance(rope, dict) else (rope,):  # Gemma 3: one per layer type
+            if not isinstance(kind, str) or kind not in STATIC_ROPE:
+                return f"rope type {kind!r} has per-length state"
+    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
+        return "quantized weights"
+    if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
+        return "device_map across devices"
+    if getattr(model, "tp_size", None) or getattr(model, "_device_mesh", None) is not None:
+        return "tensor parallelism"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "a process group (distributed)"
+    if model.training:
+        return "training mode"
+    if torch.is_grad_enabled():
+        return "gradients enabled"
+    why = why_not_tensors(model)
+    if why is not None:
+        return why
+    why = why_observed(model)
+    if why is not None:
+        return why
+    why = why_rebound(watched(model, module, family))
+    if why is not None:
+        return why
+    if not matches(f"piecewise forward ({name})"):
+        return f"transformers' {name} sources are not the ones read"
+    # default-deny: every module's class read and digested (or one of torch's own on the list), and the torch
+    # functions the forward's code looks up torch's own (`proven.py`)
+    why = proven.why_unread(model, sources_of(f"piecewise forward ({name})"))
+    if why is not None:
+        return why
+    why = proven.why_foreign_functions(watched_functions(model, module))
+    if why is not None:
+        return why
+    device = model.get_input_embeddings().weight.device
+    if device.type != "cuda" and not emulates(device):  # emulated: CPU tests only
+        return f"not CUDA ({device.type})"
+    return None
+
+
+# (owner, attribute) -> the object first seen there by this process: a replay runs none of these, so one rebound since
+# (a class-level forward wrapper, a patched module function) must send the call to the eager forward. A wrapper made
+# with `functools.wraps` has the original's source (`inspect.getsource` unwraps it), so the digests cannot see it.
+_FIRST_SEEN: dict = {}
+
+
+def family_of(model) -> Family | None:
+    base = base_of(model)
+    return FAMILIES.get(type(base).__name__) if base is not None else None
+
+
+def watched(model, module, family: Family) -> list:
+    """(owner, attribute, the object first seen there) for every class method and module function a replay skips:
+    `forward` and `__call__` of each module class of the model, and the modeling module's functions it calls."""
+    pairs = [(cls, name) for cls in {type(m) for m in model.modules()} for name in ("forward", "__call__")]
+    pairs += [(module, name) for name in family.watched if hasattr(module, name)]
+    return [(owner, name, _FIRST_SEEN.setdefault((owner, name), getattr(owner, name))) for owner, name in pairs]
+
+
+def why_rebound(entries) -> str | None:
+    for owner, name, first in entries:
+        if getattr(owner, name, None) is not first:
+            return f"{getattr(owner, '__name__', owner)}.{name} was replaced"
+    return None
+
+
+def why_not_tensors(model) -> str | None:
+    """Every parameter and buffer a plain (not DTensor, not meta, not quantized) tensor on one device."""
+    devices = set()
+    for tensor in _tensors(model):
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            return f"a {type(tensor).__name__} parameter (tensor parallelism or quantization)"
+        if tensor.is_meta:
+            return "offloaded (meta) weights"
+        devices.add(tensor.device)
+    if len(devices) > 1:
+        return "weights on several devices"
+    return None
+
+
+def why_observed(model) -> str | None:
+    """A hook or an instance-level forward anywhere would see (or change) what a replay skips."""
+    hooks = torch.nn.modules.module
+    if (hooks._global_forward_pre_hooks or hooks._global_forward_hooks or hooks._global_backward_hooks
+            or getattr(hooks, "_global_backward_pre_hooks", None)):
+        return "a global module hook"
+    for module in model.modules():
+        if _has_hooks(module):
+            return f"a hook on {type(module).__name__}"
+        if "forward" in module.__dict__:
+            return f"a wrapped forward on {type(module).__name__}"
+    return None
+
+
+def _has_hooks(module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None))
+
+
+def _tensors(model):
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def why_not_cache(cache) -> str | None:
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    if type(cache) is not DynamicCache or getattr(cache, "is_compileable", False):
+        return f"a {type(cache).__name__}"
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return "cache layers other than DynamicLayer"
+    if "update" in cache.__dict__:
+        return "a cache with its own update"
+    return None

@@ -1,0 +1,433 @@
+"""The per-call forward of the dynamic-cache loop that replays a model's recorded pieces, and the per-model store.
+
+Per step, before any replay, it checks what a replay would otherwise get wrong, and runs the eager forward (the
+model's own) where it cannot replay:
+- the step's inputs: only `input_ids` / `position_ids` (one column), the cache (`past_key_values` up to 5.23,
+  `cache` from 5.24: `cache_kwarg.py`), `use_cache`, `logits_to_keep`,
+  `return_dict`, and a mask whose effect on the attention is known on the host (`_attention_mask`);
+- staleness: a module, parameter or buffer replaced, or its storage moved (`.to()`, `.data =`, a dtype change), or a
+  plain attribute of a module or a config rebound (a norm's epsilon, an attention's scaling: `_attribute_entries`):
+  the model's recordings are dropped and the step records again; a hook or a wrapped forward added, training mode, an
+  attention implementation other than SDPA: the rest of the call runs eagerly;
+- threads: while another thread is inside `generate()`, the step runs eagerly (the graphs and their buffers serve one
+  forward at a time);
+- default-deny: the model is proven (`proven.py`) before each recording, and every module's class is compared before
+  each replay (a class swapped mid-call makes the recordings stale, and the model is proven again);
+- the key of the recording (batch size, dtypes, device, mask kind, `logits_to_keep`, every torch setting a captured
+  kernel was chosen under: `settings.py`): a new key records once (at most `MAX_KEYS` per model, least recently used out).
+A family whose base forward starts with `warn_if_padding_and_no_attention_mask` (GPT-2: without a mask it checks the
+step's ids for the pad token and warns once) has that check run before each replay, as its forward runs it.
+Recordings are kept per model in a `WeakKeyDictionary` whose values hold no reference to the model: they are freed
+with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import operator
+import sys
+import threading
+import weakref
+
+import torch
+from transformers import masking_utils
+
+from ...release_checks import cache_kwarg
+from ...state import concurrency
+from ...sync_free import masking
+from . import eligibility, proven, settings
+from .graphs import NotRecordable, capture_failure, record, watched_functions
+
+MAX_KEYS = 4  # recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
+_STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STORE_LOCK = threading.Lock()
+_TRAINING = operator.attrgetter("training")
+# the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
+
+
+class ModelGraphs:
+    """One model's recordings, and the state of the model they were made from (no reference to the model itself)."""
+
+    def __init__(self):
+        self.recordings: collections.OrderedDict = collections.OrderedDict()
+        self.failed: dict = {}  # key -> why its recording failed (not tried again while the model is unchanged)
+        self.entries: list = []  # (owner dict, name, object): every submodule, parameter and buffer as recorded
+        self.functions: list = []  # (namespace, name, object): the torch names the replayed Python looks up
+        self._columns: tuple = ([], [], [])  # `entries` as three lists
+        self.modules: list = []  # every module of the model as recorded, and its class (`module.__class__ = X`)
+        self.classes: list = []
+        self.tensors: list = []
+        self.pointers: list = []
+        self.lists: list = []  # the children tables of the model's ModuleLists, and their lengths as recorded
+        self.lengths: list = []
+        self.pool = None
+
+    def clear(self) -> None:
+        self.recordings.clear()
+        self.failed.clear()
+        self.functions = []
+        self.entries, self.tensors, self.pointers = [], [], []
+        self._columns = ([], [], [])
+        self.modules, self.classes = [], []
+        self.lists, self.lengths = [], []
+        self.pool = None
+
+    def snapshot(self, model) -> None:
+        entries, tensors = [], []
+        self.modules = list(model.modules())
+        self.classes = list(map(type, self.modules))
+        for module in self.modules:
+            for name, child in module._modules.items():
+                entries.append((module._modules, name, child))
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    entries.append((table, name, tensor))
+                    if tensor is not None:
+                        tensors.append(tensor)
+            # `module.compile()` (a criterion's, mid-call) sets this private field: stock's next call of the module
+            # runs the compiled code, which the recording never ran (proven.py refuses a compiled module)
+            entries.append((module.__dict__, "_compiled_call_impl", module.__dict__.get("_compiled_call_impl")))
+            # the hook tables as objects: the per-step check reads the tables it found (`PiecewiseForward._watch`), so
+            # one replaced by another (`m._forward_hooks = OrderedDict(...)`) would go unseen
+            entries += [(module.__dict__, name, module.__dict__.get(name)) for name in _HOOK_TABLES]
+        attributes = _attribute_entries(model)
+        entries += attributes
+        # a tensor held as a plain attribute (a weight swapped in with `del m.weight; m.weight = t`) is read by the
+        # replay at its recorded address, as a parameter is: `t.data = x` keeps the object and moves its storage
+        tensors += [value for _, _, value in attributes if type(value) in (torch.Tensor, torch.nn.Parameter)]
+        self.entries, self.tensors = entries, tensors
+        # a module appended to a ModuleList (GPT-2's forward runs every block of `self.h`) adds a key, which the
+        # entries above (the children as recorded) cannot show
+        self.lists = [module._modules for module in self.modules if type(module) is torch.nn.ModuleList]
+        self.lengths = list(map(len, self.lists))
+        base = eligibility.base_of(model)
+        # the torch names the replayed Python looks up, and torch's module internals every module call runs
+        # (`Module._call_impl`, `__getattr__`...: rebound mid-call, stock's later steps run the new code)
+        self.functions = watched_functions(model, sys.modules[type(base).__module__]) + proven.torch_internals(
+            self.classes)
+        self._columns = tuple(map(list, zip(*entries))) if entries else ([], [], [])
+        self.pointers = [tensor.data_ptr() for tensor in tensors]
+
+
+    def changed(self) -> bool:
+        # checked before every replay: C-level maps over the flat lists (a few microseconds for a 1B model)
+        tables, names, values = self._columns
+        if any(map(operator.is_not, map(dict.get, tables, names), values)):
+            return True
+        if any(table.get(name) is not value for table, name, value in self.functions):
+            return True
+        if list(map(type, self.modules)) != self.classes:
+            return True  # a class swapped under the recording (`module.__class__ = Subclass`)
+        if list(map(len, self.lists)) != self.lengths:
+            return True  # a module added to a ModuleList
+        return list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
+
+
+def _attribute_entries(model) -> list:
+    """(dict, name, value) for every plain attribute a forward may read and a replay has baked in: each module's own
+    (a norm's epsilon, an attention's scaling, the rotary embedding's attention scaling; torch's private fields, named
+    with "_", excluded) and every field of the configs the modules hold (`self.config.num_hidden_layers`...). User
+    code that rebinds one, between calls or from a criterion mid-call, makes the recordings stale, as stock reads the
+    new value at its next forward. Compared by identity: a rebinding to an equal value only records again."""
+    entries, configs, seen = [], {}, set()
+    for module in model.modules():
+        table = module.__dict__
+        for name, value in table.items():
+            if not name.startswith("_"):
+                entries.append((table, name, value))
+        config = table.get("config")
+        if config is not None and hasattr(config, "__dict__"):
+            configs[id(config)] = config
+    while configs:  # the configs, and the sub-configs they hold (a text config)
+        key, config = configs.popitem()
+        if key in seen:
+            continue
+        seen.add(key)
+        table = config.__dict__
+        for name, value in table.items():
+            entries.append((table, name, value))
+            if type(value).__module__.startswith("transformers") and hasattr(value, "to_dict"):
+                configs[id(value)] = value
+    return entries
+
+
+def graphs_of(model) -> ModelGraphs:
+    with _STORE_LOCK:
+        graphs = _STORE.get(model)
+        if graphs is None:
+            graphs = _STORE[model] = ModelGraphs()
+        return graphs
+
+
+class PiecewiseForward:
+    """`model_forward` for one call of the dynamic-cache loop (see the module docstring)."""
+
+    def __init__(self, model, model_forward, report, draft=False):
+        self.model, self.eager, self.report = model, model_forward, report
+        self.draft = draft  # an assistant's draft loop: batch 1 only, reported with a "draft " prefix
+        self.graphs = graphs_of(model)
+        self.family = eligibility.family_of(model)
+        self._watch()
+        self.device = model.get_input_embeddings().weight.device
+        self.off = None  # why the rest of the call runs eagerly
+        self.replayed = self.eager_steps = 0
+        self.last_eager = None
+
+    def _watch(self) -> None:
+        """What the per-step checks read, from the model as it is now (again after a change was found and the model
+        proven again: a module added mid-call is watched from then on)."""
+        model, family = self.model, self.family
+        base = eligibility.base_of(model)
+        self.modules = family.attentions(base, model.config)
+        every = list(model.modules())
+        self.hook_tables = [table for module in every for table in (
+            module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
+            getattr(module, "_backward_pre_hooks", {}))]
+        self.module_dicts = [module.__dict__ for module in every]
+        rebound = eligibility.watched(model, sys.modules[type(base).__module__], family)
+        self.rebound = tuple(map(list, zip(*rebound))) if rebound else ([], [], [])
+        self.every = every
+
+    def __call__(self, **inputs):
+        if self.off is None:
+            why = self._why_not_observed()
+            if why is not None:
+                self.off = why
+        if self.off is not None:
+            return self._eager(self.off, inputs)
+        if not _alone():
+            # a model's graphs and their fixed buffers serve one forward at a time: while another thread is inside
+            # generate() (it may use this model), neither thread replays (a thread that entered later sees this one)
+            return self._eager("another thread is inside generate()", inputs)
+        mask, key, why = self._step(inputs)
+        if why is not None:
+            return self._eager(why, inputs)
+        if self.family.checks_padding and inputs.get("attention_mask") is None:
+            # GPT-2's base forward starts with this check of the step's ids (a log where they hold the pad token):
+            # a replay skips the forward's Python, and the recording's 4D sentinel mask makes it return at once
+            eligibility.base_of(self.model).warn_if_padding_and_no_attention_mask(inputs["input_ids"], None)
+        graphs = self.graphs
+        if graphs.recordings and graphs.changed():
+            graphs.clear()  # weights replaced or moved, an attribute rebound: every recording of this model is stale
+            # what changed may be a decision the call's eligibility made once (a config's `sliding_window` set by a
+            # criterion): decided again before anything is recorded
+            why = eligibility.why_not_model(self.model, self.eager)
+            if why is not None:
+                self.off = why
+                return self._eager(why, inputs)
+            self._watch()
+        recording = graphs.recordings.get(key)
+        if recording is not None:
+            graphs.recordings.move_to_end(key)
+            return self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["input_ids"],
+                                                   inputs["position_ids"], mask, self._attention(), self.modules))
+        if key in graphs.failed:
+            return self._eager(graphs.failed[key], inputs)
+        return self._record(key, mask, inputs)
+
+    def _record(self, key, mask, inputs):
+        # a recording bakes in whatever Python runs now: the model is proven again as it is at this step (a class
+        # swapped or a module added since the call's start, before any recording could notice, is refused here)
+        why = eligibility.why_not_model(self.model, self.eager)
+        if why is not None:
+            self.off = why
+            return self._eager(why, inputs)
+        self._watch()
+        graphs = self.graphs
+        if not graphs.recordings:
+            graphs.clear()
+            graphs.snapshot(self.model)
+        forward_inputs = {name: value for name, value in inputs.items() if name != "return_dict"}
+        forward_inputs["return_dict"] = True
+        try:
+            made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
+                          "sdpa", graphs.pool)
+        except NotRecordable as error:
+            graphs.failed[key] = f"not recordable: {error}"
+            return self._eager(graphs.failed[key], inputs)
+        except Exception as error:
+            if not capture_failure(error):
+                raise  # the model's or the user's exception: stock's forward raises it here too
+            # a capture the device refused (a host read inside the forward, say)
+            graphs.failed[key] = f"capture failed ({type(error).__name__}: {error})"
+            return self._eager(graphs.failed[key], inputs)
+        if made is None:
+            return self._eager("another thread is inside generate()", inputs)
+        recording, outputs = made
+        graphs.pool = recording.pool
+        graphs.recordings[key] = recording
+        while len(graphs.recordings) > MAX_KEYS:
+            graphs.recordings.popitem(last=False)
+        return self._replayed(outputs)
+
+    def _replayed(self, outputs):
+        self.replayed += 1
+        self._note()
+        return outputs
+
+    def _eager(self, why, inputs):
+        self.eager_steps += 1
+        if why != self.last_eager or self.replayed:  # with replays the note counts the eager steps: kept current
+            self.last_eager = why
+            self._note()
+        return self.eager(**inputs)
+
+    def _note(self) -> None:
+        report = self.report
+        if report is None:
+            return
+        if self.replayed:
+            pieces = len(self.modules) + 1
+            tail = f"; {self.eager_steps} eager: {self.last_eager}" if self.eager_steps else ""
+            text = f"graphed ({pieces} pieces): {self.replayed} decode steps{tail}"
+        else:
+            text = f"eager: {self.last_eager}"
+        report.forward = f"draft {text}" if self.draft else text
+
+    def _attention(self):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        return ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+
+    def _why_not_observed(self) -> str | None:
+        hooks = torch.nn.modules.module
+        if any(map(len, self.hook_tables)) or hooks._global_forward_pre_hooks or hooks._global_forward_hooks:
+            return "a hook was added"
+        if any(map(operator.contains, self.module_dicts, itertools.repeat("forward"))):
+            return "a forward was wrapped"
+        if any(map(_TRAINING, self.every)):
+            return "training mode"
+        owners, names, first = self.rebound
+        if any(map(operator.is_not, map(getattr, owners, names), first)):
+            return eligibility.why_rebound(zip(owners, names, first))
+        if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
+            return "the attention implementation changed"
+        if not _own_sdpa_mask():
+            # stock's `create_causal_mask` calls the mask function registered for "sdpa" at every step; a replay's
+            # mask is the one `_attention_mask` worked out for transformers' own
+            return "a mask function registered for sdpa"
+        return _why_mode()
+
+
+    def _step(self, inputs):
+        """(the attention's mask, the recording key, None), or (None, None, why this step runs eagerly)."""
+        cache = cache_kwarg.get(inputs)
+        if (not _INPUTS.issuperset(name for name in inputs if name != cache_kwarg.name())
+                or inputs.get("return_dict", True) is not True):
+            return None, None, "inputs the recording does not take"
+        ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
+        keep = inputs.get("logits_to_keep", 0)
+        if not (_column(ids, self.device) and _column(positions, self.device)
+                and positions.shape[0] == ids.shape[0]):
+            return None, None, "not a one-token decode step"
+        if self.draft and ids.shape[0] != 1:
+            return None, None, "a draft batch other than 1"
+        if inputs.get("use_cache", True) is not True or type(keep) is not int:
+            return None, None, "inputs the recording does not take"
+        why = eligibility.why_not_cache(cache)
+        if why is not None:
+            return None, None, why
+        if len(cache.layers) != len(self.modules) or not cache.layers[0].is_initialized:
+            return None, None, "a cache not filled by this model's prefill"
+        mask, why = _attention_mask(inputs.get("attention_mask"), ids.shape[0], cache)
+        if why is not None:
+            return None, None, why
+        # autocast of the model's device (`is_autocast_enabled()` alone is CUDA's: a CPU model's recording under CPU
+        # autocast, emulated, would have replayed its casts in a call without it)
+        if torch.is_grad_enabled() or torch.is_autocast_enabled() or torch.is_autocast_enabled(self.device.type):
+            return None, None, "gradients or autocast enabled"
+        key = (ids.shape[0], ids.dtype, positions.dtype, self.device, mask is None, keep,
+               self.model.get_input_embeddings().weight.dtype,
+               # every torch setting that can change a kernel's choice or its numerics (`settings.py`)
+               settings.read(),
+               # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them
+               # (the CUDA usage fuzzer: seeds 422, 775, 1447, 1899), and the reverse would hand inference-mode
+               # callers normal tensors where stock gives inference ones
+               torch.is_inference_mode_enabled(),
+               # factory calls without a device inside the pieces were recorded on this default device
+               _default_device())
+        return mask, key, None
+
+
+# torch's mode stacks (private: read by name, and a torch without them keeps the eager forward, `_why_mode`)
+_FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", None)
+_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
+try:
+    from torch.overrides import _get_current_function_mode_stack as _function_modes
+    from torch.utils._device import DeviceContext as _DeviceContext
+except ImportError:
+    _function_modes = _DeviceContext = None
+
+
+def _why_mode() -> str | None:
+    """A torch function or dispatch mode active around the forward (a profiler's, a debugger's, a counting mode) sees
+    every op of stock's forward, and nothing of a replay: the step runs eagerly. `torch.set_default_device` keeps one
+    mode on for good (a `DeviceContext`): it only gives factory calls without a device their device, and it is part
+    of the recording key (`_default_device`), so it keeps the path."""
+    if None in (_FUNCTION_MODES, _DISPATCH_MODES, _function_modes, _DeviceContext):
+        return "torch's mode stacks cannot be read"
+    if _DISPATCH_MODES():
+        return "a torch dispatch mode is active"
+    if _FUNCTION_MODES() and any(type(mode) is not _DeviceContext for mode in _function_modes()):
+        return "a torch function mode is active"
+    return None
+
+
+def _own_sdpa_mask() -> bool:
+    """The mask function registered for "sdpa" is transformers' own `sdpa_mask`."""
+    registry = getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None)
+    own = getattr(masking_utils, "sdpa_mask", None)
+    return registry is not None and own is not None and registry.get("sdpa") is own
+
+
+def _default_device():
+    """The default device `torch.set_default_device` put on the mode stack, None without one (a recording key).
+    Reached only after `_why_mode` found the stacks readable and holding no other function mode."""
+    if not _FUNCTION_MODES():
+        return None
+    return tuple(str(getattr(mode, "device", None)) for mode in _function_modes())
+
+
+def _alone() -> bool:
+    """No other thread is inside generate() (`concurrency.inside_generate` registers each call's thread)."""
+    ident = threading.get_ident()
+    return all(other == ident for other in list(concurrency._INSIDE))
+
+
+def _column(tensor, device) -> bool:
+    return (isinstance(tensor, torch.Tensor) and type(tensor) is torch.Tensor and tensor.dim() == 2
+            and tensor.shape[1] == 1 and tensor.dtype == torch.long and tensor.device == device)
+
+
+def _attention_mask(mask, batch: int, cache):
+    """What stock's `create_causal_mask` hands the attention at this decode step, known on the host: (mask, None),
+    or (None, why the step runs eagerly).
+
+    - a 4D mask (the loop's grown mask, `dynamic_loop/wide_mask.py`) is returned as it is;
+    - no mask, or a 2D mask of ones as long as the cache and this token (the call's host summary says the prompt has
+      no padding and no zero column was added), gives None on SDPA's decode step (`_ignore_causal_mask_sdpa`: no
+      padding and one query);
+    - anything else (a padded 2D mask: stock builds the 4D mask inside the forward) is left to the eager forward."""
+    if mask is None:
+        return None, None
+    if not isinstance(mask, torch.Tensor) or type(mask) is not torch.Tensor:
+        return None, "a mask the recording does not take"
+    if mask.dim() == 4:
+        if (mask.dtype == torch.bool and mask.shape[0] == batch and mask.shape[1:3] == (1, 1)
+                and mask.shape[3] == cache.get_seq_length() + 1):
+            return mask, None
+        return None, "a 4D mask other than the decode step's"
+    if mask.dim() == 2:
+        if mask.shape[-1] != cache.get_seq_length() + 1:
+            # shorter than the cache + this token (a chunked prefill or a conversation fed again on a continued
+            # cache): stock's mask then hides the cache's last positions, SDPA's unmasked decode step would not (CUDA
+            # usage fuzzer seeds 51, 177, 1339, 1443 on 5.17; tests/test_piecewise_redteam.py, hole A)
+            return None, "a 2D mask whose length is not the cache's + 1"
+        tag = masking._tag_of(mask)
+        if tag is not None and not tag[0].padded and tag[1] == mask.shape[-1]:
+            return None, None
+        return None, "a padded 2D mask (the model builds its 4D mask this step)"
+    return None, "a mask the recording does not take"

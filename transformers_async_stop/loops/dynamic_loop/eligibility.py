@@ -1,0 +1,118 @@
+"""Which `_sample` calls the dynamic-cache loop takes, and what it runs in them: decided once per call.
+
+The loop is taken where it reproduces stock exactly, and nowhere else: a decoder-only model that keeps transformers'
+own `prepare_inputs_for_generation` (or Phi-3's own, read: `_OWN_INPUTS`) and `_update_model_kwargs_for_generation`
+and is not remote code, a plain
+`DynamicCache` (not compileable: stock builds no 4D mask in the input preparation), one new token per step, no
+per-step attentions or hidden states, one device and one process (no `device_map` split, no `synced_gpus` or tensor
+parallelism), no processor that needs keyword arguments (stock raises there: the deferred path does too), and an
+installed transformers whose sources are the ones this loop was read against (`targets.SHORTCUTS`: "dynamic decode
+loop", with the processor and criteria lists' own shortcuts). Every other call runs the deferred path of
+`generation.py`. A static cache goes to `static_loop` first.
+
+An assistant's draft loop inside a deferred assisted call (`assisted/draft.py`) is taken too: its controller is the
+call's `DraftStop`, its criteria the draft's own (`DraftRun.criteria`), and its prefill is stock's with the
+assistant's `is_first_iteration`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ...control.step_lists import _plan_criterion, is_user_criterion, plan_processors
+from ...release_checks.verified import matches
+from ...release_checks import cache_kwarg
+from ...release_checks.input_drops import own_prepare
+
+DYNAMIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP"
+
+
+def _off() -> bool:
+    return os.environ.get(DYNAMIC_LOOP_ENV, "").strip().lower() in ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass
+class DynamicPlan:
+    """What one `_sample` call of the dynamic-cache loop runs."""
+
+    processors: list  # callables (input_ids, scores) -> scores, in order (`_plan_processor`)
+    criteria: list  # planned `(criterion, kind)` pairs, folded after each step (`fold_criteria`)
+    user_criteria: bool  # one of them is not transformers' own: it may edit the last token in place
+    do_sample: bool
+    has_eos: bool  # stock's `has_eos_stopping_criteria`: finished rows get the pad token
+    scores: bool  # return the processed scores of each step
+    logits: bool  # return the raw logits of each step
+
+
+def plan_loop(model, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs):
+    """The call's `DynamicPlan`, or None where the deferred path of `generation.py` runs instead."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.generation.utils import GenerationMixin
+
+    if _off() or synced_gpus:
+        return None
+    if model.config.is_encoder_decoder or not model_kwargs.get("use_cache", True):
+        return None
+    if len(set(getattr(model, "hf_device_map", {}).values())) > 1 or torch.distributed.is_initialized():
+        return None  # a model split over devices or processes
+    if generation_config.return_dict_in_generate and (generation_config.output_attentions
+                                                      or generation_config.output_hidden_states):
+        return None
+    kind = type(model)
+    if ((kind.prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation
+         and not own_inputs_read(model))
+            or kind._update_model_kwargs_for_generation is not GenerationMixin._update_model_kwargs_for_generation):
+        return None
+    if _is_remote_code(model):
+        return None  # stock adds a `cache_position` for remote code every step
+    cache = cache_kwarg.get(model_kwargs)
+    if type(cache) is not DynamicCache or getattr(cache, "is_compileable", False):
+        return None
+    # full-attention layers only: a sliding window's cache is left to the deferred path (its rollback differs);
+    # an empty user cache may have no layer yet (it makes `DynamicLayer`s lazily)
+    if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", ()) or ()):
+        return None
+    if not (matches("dynamic decode loop") and matches("LogitsProcessorList.__call__")
+            and matches("StoppingCriteriaList.__call__")):
+        return None
+
+    processors = plan_processors(logits_processor)
+    if processors is None:
+        return None
+    rdig = generation_config.return_dict_in_generate
+    return DynamicPlan(
+        processors=processors, criteria=[(c, _plan_criterion(c)) for c in stopping_criteria],
+        user_criteria=any(is_user_criterion(c) for c in stopping_criteria),
+        do_sample=bool(generation_config.do_sample),
+        has_eos=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
+        scores=bool(rdig and generation_config.output_scores), logits=bool(rdig and generation_config.output_logits),
+    )
+
+
+# causal LMs whose own `prepare_inputs_for_generation` the loop takes: (modeling module, class). The loop then calls
+# it at every step (`inputs.DecodeInputs.build` hands none of the steps to its own input making). Phi-3's drops the
+# cache once the sequence passes `original_max_position_embeddings` (its long/short rope switch): the step after it
+# prefills the whole sequence into a new cache, as stock does (`targets/piecewise_rows.py`, "dynamic decode loop (phi3
+# inputs)"). Past that length each verdict is read at once (`input_drops.py`, `AsyncStop.record`), so no undone extra
+# step is the refill
+_OWN_INPUTS = {"phi3": ("transformers.models.phi3.modeling_phi3", "Phi3ForCausalLM")}
+
+
+def own_inputs_read(model) -> bool:
+    """The model's class keeps the `prepare_inputs_for_generation` of one of `_OWN_INPUTS`, as read."""
+    for family, (module, name) in _OWN_INPUTS.items():
+        own = own_prepare(module, name)
+        if own is not None and type(model).prepare_inputs_for_generation is own:
+            return matches(f"dynamic decode loop ({family} inputs)")
+    return False
+
+
+def _is_remote_code(model) -> bool:
+    is_remote = getattr(model, "is_remote_code", None)
+    try:
+        return bool(is_remote()) if callable(is_remote) else False
+    except Exception:  # a model whose check fails is treated as remote code: the deferred path runs
+        return True

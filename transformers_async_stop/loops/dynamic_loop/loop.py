@@ -1,0 +1,126 @@
+"""The `_sample` loop of a dynamic cache, flag on: per step only what varies per step.
+
+Copied from transformers v5.17.0-v5.24.0 `GenerationMixin._sample` (one source over that range; `targets.SHORTCUTS`
+"dynamic decode loop"). Differences:
+- after the first decode step (stock's `prepare_inputs_for_generation` and `_update_model_kwargs_for_generation`),
+  the forward's inputs are made from the previous step's (`inputs.DecodeInputs`): no generic input preparation,
+  kwargs update, or `generation_config` reads per step;
+- the processors are the call's plan (`step_lists._plan_processor`: signatures read once, the minimum-length EOS
+  mask made once), the criteria are folded with the deferred path's shortcuts (`step_lists.fold_criteria`), both
+  called directly instead of through their list wrappers;
+- the stop is read one step late (`AsyncStop`), exactly as the static-cache loop reads it: the verdict of step t is
+  read after step t+1's forward is queued; if it says "all finished", step t+1 runs no processor, criterion or
+  streamer call and its forward is undone in a returned cache; its random draws are given back;
+- `_has_unfinished_sequences` and the stop-check object are not called: the controller is the stop check.
+The sequence (`torch.cat` per step), the logits copy, the token selection and the recorded scores and logits are
+stock's own lines.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...release_checks import cache_kwarg
+from ... import path_report
+from ...graphs import piecewise
+from ...undo.cache_rollback import rollback_one_step, why_not_rollbackable
+from ...control.step_lists import fold_criteria
+from .inputs import DecodeInputs
+
+
+def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
+    """`_sample` for a call `plan_loop` accepted; `plan` holds its processors and criteria."""
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    if not generation_config.is_assistant:
+        path_report.dynamic_loop()
+    pad_token_id = generation_config._pad_token_tensor
+    if pad_token_id is not None:
+        pad_token_id = pad_token_id.to(input_ids.device)
+    scores = () if plan.scores else None
+    raw_logits = () if plan.logits else None
+    processors, criteria, do_sample, has_eos = plan.processors, plan.criteria, plan.do_sample, plan.has_eos
+    user_criteria = plan.user_criteria
+    unfinished_sequences = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+
+    model_forward = (
+        model.get_compiled_call(generation_config.compile_config)
+        if model._valid_auto_compile_criteria(model_kwargs, generation_config)
+        else model.__call__
+    )
+    # the decode steps' forward: replayed from CUDA graphs piece by piece where `piecewise` proves it exact
+    forward = piecewise.forward_for(model, model_forward, generation_config) or model_forward
+    outputs = model._prefill(input_ids, generation_config, model_kwargs,
+                             is_first_iteration=not generation_config.is_assistant)
+    step_inputs = None  # made at the first decode step; None while stock prepares the inputs
+    first = True
+    try:
+        with model._optimize_model_for_decode():
+            while True:
+                if outputs is None:  # a decode step (the prefill's outputs are the first step's)
+                    if step_inputs is not None:
+                        model_inputs = step_inputs.next(column)
+                    elif first:
+                        first = False
+                        model_inputs, step_inputs = DecodeInputs.build(model, input_ids, model_kwargs,
+                                                                       model_forward)
+                    else:
+                        model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1,
+                                                                           **model_kwargs)
+                    outputs = forward(**model_inputs, return_dict=True)
+                if step_inputs is None:
+                    # the prefill's, and every step's where the inputs are stock's: the patched update also plans
+                    # the controller's cache (`masking.patched_update_model_kwargs`)
+                    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs,
+                                                                             is_encoder_decoder=False)
+                if ctl.join():
+                    break  # the step the flag-off run never made: its forward is undone below
+                next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+                outputs = None  # stock: `del outputs`, so the prefill's logits can go
+                next_token_scores = next_token_logits
+                for processor in processors:
+                    next_token_scores = processor(input_ids, next_token_scores)
+                if scores is not None:
+                    scores += (next_token_scores,)
+                if raw_logits is not None:
+                    raw_logits += (next_token_logits,)
+                if do_sample:
+                    probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
+                    next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+                else:
+                    next_tokens = torch.argmax(next_token_scores, dim=-1)
+                if has_eos:
+                    next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
+                column = next_tokens[:, None]  # also the next forward's `input_ids` (`DecodeInputs.next`)
+                input_ids = torch.cat([input_ids, column], dim=-1)
+                length = input_ids.shape[1]
+                if criteria:
+                    is_done = fold_criteria(criteria, length, lambda: input_ids, scores, ctl, {})
+                    if is_done is not None:
+                        unfinished_sequences = unfinished_sequences & ~is_done
+                    if user_criteria:
+                        # a user criterion may have edited the last token in place: stock's next forward gets
+                        # `input_ids[:, -1:].clone()` as the criteria left it (a copy on the device, no read)
+                        column = input_ids[:, -1:].clone()
+                if ctl.record(unfinished_sequences, next_tokens, length):
+                    break
+    except BaseException:
+        if ctl.overran:
+            _give_back_extra_forward(ctl, model_kwargs)
+        raise
+
+    if ctl.finish():
+        _give_back_extra_forward(ctl, model_kwargs)
+    if streamer is not None:
+        streamer.end()
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, attentions=None,
+                                         hidden_states=None, **cache_kwarg.output_field(cache_kwarg.get(model_kwargs)))
+    return input_ids
+
+
+def _give_back_extra_forward(ctl, model_kwargs) -> None:
+    """A returned cache loses the position the extra step's forward wrote (an unreturned one is dropped)."""
+    cache = cache_kwarg.get(model_kwargs)
+    if ctl.cache_returned and cache is not None and why_not_rollbackable(cache) is None:
+        rollback_one_step(cache, ctl.extra_position())

@@ -1,0 +1,112 @@
+"""Is the installed transformers code one that a shortcut was checked against?
+
+Some per-call shortcuts of the deferred loop compute what a piece of stock code computes, with less host work
+(`targets.SHORTCUTS` lists them, each with the digests of the upstream sources it was read against). The digest of
+the installed source is taken at first use and again whenever one of the sources is another object than the one
+digested (user code may rebind a method, e.g. wrap a processor's `__call__`, after a first call). On a release
+whose source is not in the table the shortcut is off and the stock code runs: exact by construction. The drift test
+(`tests/test_patching.py`) fails on such a release, so the table is reviewed and extended rather than silently wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import sys
+import textwrap
+import threading
+
+from .targets import SHORTCUTS
+
+logger = logging.getLogger("transformers_async_stop")
+
+_BY_NAME = {shortcut.name: shortcut for shortcut in SHORTCUTS}
+_RESULTS: dict[str, bool] = {}
+_DIGESTED: dict[str, tuple] = {}  # per shortcut: the objects its verdict in `_RESULTS` was taken on
+_LOCK = threading.Lock()
+_OWN_MARK = "_transformers_async_stop_patched"  # `config.MARKER`
+
+
+def source_digest(obj) -> str:
+    """sha256 (first 12 hex digits) of an object's source as written in its file, dedented."""
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode("utf-8")).hexdigest()[:12]
+
+
+def installed_digests(name: str) -> dict[str, str | None]:
+    """The digest of every upstream source the shortcut `name` relies on, as installed (None: not found, or
+    wrapped by code that is neither transformers', torch's nor this package's: its source is not the one read)."""
+    found = {}
+    for source in _BY_NAME[name].sources:
+        try:
+            obj = _resolve(source)
+            found[source] = None if _foreign_wrapper(obj) else source_digest(obj)
+        except (ImportError, AttributeError, OSError, TypeError):
+            found[source] = None
+    return found
+
+
+def _objects(name: str) -> tuple:
+    objects = []
+    for source in _BY_NAME[name].sources:
+        try:
+            obj = _resolve(source)
+            objects.append(getattr(obj, "__func__", obj))  # a bound classmethod is a new object at every lookup
+        except (ImportError, AttributeError):
+            objects.append(None)
+    return tuple(objects)
+
+
+def _foreign_wrapper(obj) -> bool:
+    """Whether `obj` wraps another function (`functools.wraps`, whose source `inspect` shows instead) in code that
+    is not transformers', torch's or this package's own patch."""
+    import os
+
+    from ..undo.module_state import library_dirs
+
+    allowed = library_dirs()  # by real path: transformers imported under a second path is still transformers
+    while getattr(obj, "__wrapped__", None) is not None:
+        code = getattr(obj, "__code__", None)
+        foreign = code is None or not os.path.realpath(code.co_filename).startswith(allowed)
+        if foreign and not getattr(obj, _OWN_MARK, False):
+            return True
+        obj = obj.__wrapped__
+    return False
+
+
+def matches(name: str) -> bool:
+    """Whether every upstream source behind the shortcut `name` is one it was checked against (as installed now)."""
+    result = _RESULTS.get(name)
+    objects = _DIGESTED.get(name)
+    if result is not None and objects is not None and any(
+            a is not b for a, b in zip(_objects(name), objects)):
+        result = None  # a source was rebound since its verdict: take it again
+    if result is None:
+        with _LOCK:
+            shortcut = _BY_NAME[name]
+            objects = _objects(name)
+            found = installed_digests(name)
+            result = all(digest in shortcut.digests.get(source, {}) for source, digest in found.items())
+            if not result:
+                logger.info("transformers_async_stop: shortcut %s is off: %s differs from the sources it was "
+                            "checked against; the stock code runs instead", name,
+                            ", ".join(s for s, d in found.items() if d not in shortcut.digests.get(s, {})))
+            _RESULTS[name] = result
+            _DIGESTED[name] = objects
+    return result
+
+
+def sources_of(name: str) -> frozenset:
+    """The upstream sources ("module:Qual.name") the shortcut `name` was read against."""
+    return frozenset(_BY_NAME[name].sources)
+
+
+def _resolve(source: str):
+    """"module:Qual.name" -> the object."""
+    import importlib
+
+    module_name, _, qualname = source.partition(":")
+    obj = sys.modules.get(module_name) or importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
