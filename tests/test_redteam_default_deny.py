@@ -357,7 +357,7 @@ class StateTheStepCheckStillMisses(_Case):
 
         self.check(lambda m: None, [_nothing, transpose])
 
-    @unittest.expectedFailure  # hole: R4, fix pending
+    # hole R4, fixed: eligibility._looked_up watches every global the read code looks up
     def test_slice_logits_to_keep_rebound_in_the_modeling_module_is_called_by_the_next_call(self):
         # hole R4: a global of the modeling module the replay skips, neither watched nor digested
         from transformers.models.llama import modeling_llama
@@ -379,7 +379,7 @@ class StateTheStepCheckStillMisses(_Case):
 
         self.check(setup, [_nothing, rebind], around=lambda: _restored(modeling_llama, "slice_logits_to_keep"))
 
-    @unittest.expectedFailure  # hole: R4, fix pending
+    # hole R4, fixed: eligibility._looked_up watches every global the read code looks up
     def test_the_output_class_rebound_in_the_modeling_module_is_built_by_the_next_call(self):
         # hole R4: another global of the modeling module (the output dataclass `LlamaForCausalLM.forward` builds): a
         # subclass whose `__post_init__` soft-caps the logits, put in place between calls
@@ -460,7 +460,7 @@ class StateTheStepCheckStillMisses(_Case):
 
         self.check(lambda m: None, [_mid_call(3, act)])
 
-    @unittest.expectedFailure  # hole: R9, fix pending
+    # hole R9, fixed: eligibility._looked_up watches the digested sources outside the modeling module
     def test_ignore_causal_mask_sdpa_rebound_mid_call_shapes_the_later_steps(self):
         # hole R9: the transformers sources outside the modeling module (masking_utils) are digested at the call's
         # start and at each recording, not watched per step: a criterion that rebinds them is seen by stock's next

@@ -96,6 +96,15 @@ def matches(name: str) -> bool:
     return result
 
 
+def resolve_source(source: str):
+    """"module:Qual.name" -> (the object, what holds it, the attribute's name)."""
+    module_name, _, qualname = source.partition(":")
+    holder_path, _, attr = qualname.rpartition(".")
+    holder = _resolve(f"{module_name}:{holder_path}") if holder_path else sys.modules.get(module_name) or (
+        __import__("importlib").import_module(module_name))
+    return getattr(holder, attr), holder, attr
+
+
 def sources_of(name: str) -> frozenset:
     """The upstream sources ("module:Qual.name") the shortcut `name` was read against."""
     return frozenset(_BY_NAME[name].sources)

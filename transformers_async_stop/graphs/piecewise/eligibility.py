@@ -207,7 +207,48 @@ def watched(model, module, family: Family) -> list:
     `forward` and `__call__` of each module class of the model, and the modeling module's functions it calls."""
     pairs = [(cls, name) for cls in {type(m) for m in model.modules()} for name in ("forward", "__call__")]
     pairs += [(module, name) for name in family.watched if hasattr(module, name)]
+    pairs += _looked_up(module, family)
     return [(owner, name, _FIRST_SEEN.setdefault((owner, name), getattr(owner, name))) for owner, name in pairs]
+
+
+_LOOKED_UP: dict = {}
+
+
+def _looked_up(module, family: Family) -> list:
+    """(module, name) for every global the read code looks up by name (red team holes R4, R9): the modeling module's
+    own functions and classes' methods (`slice_logits_to_keep`, the output dataclass...), and each digested source
+    outside it (`masking_utils`' `_ignore_causal_mask_sdpa`, `causal_mask_function`...) with the names its code looks
+    up in its own module. A name rebound there since it was first seen sends the step eager, as a hand-listed one did
+    (`family.watched`). Computed once per (module, family): a pass over the code objects."""
+    key = (module.__name__, family.name)
+    found = _LOOKED_UP.get(key)
+    if found is not None:
+        return found
+    from ...release_checks.verified import resolve_source, sources_of
+    from .graphs import code_names
+
+    pairs = set()
+    for value in list(vars(module).values()):
+        if getattr(value, "__module__", None) != module.__name__:
+            continue
+        functions = [value] if callable(value) and hasattr(value, "__code__") else [
+            attribute for attribute in vars(value).values() if hasattr(attribute, "__code__")
+        ] if isinstance(value, type) else []
+        for function in functions:
+            pairs.update((module, name) for name in code_names(function) if name in vars(module))
+    for source in sources_of(f"piecewise forward ({family.name})"):
+        owner_name, _, qualname = source.partition(":")
+        owner = sys.modules.get(owner_name)
+        if owner is None or owner is module:
+            continue
+        try:
+            function, holder, attr = resolve_source(source)
+        except (ImportError, AttributeError):
+            continue
+        pairs.add((holder, attr))
+        pairs.update((owner, name) for name in code_names(function) if name in vars(owner))
+    found = _LOOKED_UP[key] = sorted(pairs, key=lambda pair: (getattr(pair[0], "__name__", ""), pair[1]))
+    return found
 
 
 def why_rebound(entries) -> str | None:

@@ -270,6 +270,16 @@ def _codes(function, seen: set) -> None:
         _codes(wrapped, seen)
 
 
+def code_names(function) -> set:
+    """Every name the code of `function` (its nested functions and wrapped functions included) looks up."""
+    codes: set = set()
+    _codes(function, codes)
+    names: set = set()
+    for code in codes:
+        names.update(code.co_names)
+    return names
+
+
 def watched_functions(model, module) -> list:
     """(namespace, name, object) for every torch function or tensor method name the Python a replay skips looks up:
     the names in the code of each module class's own `forward` / `__call__` (the model's, and torch's own modules')
