@@ -224,6 +224,7 @@ def _looked_up(module, family: Family) -> list:
     found = _LOOKED_UP.get(key)
     if found is not None:
         return found
+    from ...release_checks.targets import TARGETS
     from ...release_checks.verified import resolve_source, sources_of
     from .graphs import code_names
 
@@ -247,6 +248,15 @@ def _looked_up(module, family: Family) -> list:
             continue
         pairs.add((holder, attr))
         pairs.update((owner, name) for name in code_names(function) if name in vars(owner))
+    # the package's own patch targets (the SDPA mask-skip check...) change with `apply()` / `unpatch()`: what they
+    # compute is the stock function's (tests/test_patching.py), so they are not a user's rebinding
+    patched = set()
+    for target in TARGETS:
+        try:
+            patched.add((id(target.resolve_owner()), target.attr))
+        except (ImportError, AttributeError):
+            continue
+    pairs = [(owner, name) for owner, name in pairs if (id(owner), name) not in patched]
     found = _LOOKED_UP[key] = sorted(pairs, key=lambda pair: (getattr(pair[0], "__name__", ""), pair[1]))
     return found
 
