@@ -15,10 +15,11 @@ import copy
 import unittest
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, build, stock
+from test_graphed_default_deny import _AtStep, _State  # the same mid-call criterion and state holder
 from transformers_async_stop.testing.emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
@@ -28,23 +29,6 @@ KNOB = {"strength": 0.0}  # a module-level global user code reads
 def _prompt(batch=2):
     g = torch.Generator().manual_seed(5)
     return torch.randint(3, 48, (batch, 6), generator=g)
-
-
-class _State:
-    pass
-
-
-class _AtStep(StoppingCriteria):
-    """Runs `action(model)` once, at its `at`-th call (mid-call user code); never stops."""
-
-    def __init__(self, model, at, action):
-        self.model, self.at, self.action, self.calls = model, at, action, 0
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.calls += 1
-        if self.calls == self.at:
-            self.action(self.model)
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def _mid_call(at, action):
