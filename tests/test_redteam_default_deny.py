@@ -386,7 +386,7 @@ class StateTheStepCheckStillMisses(_Case):
         self.check(lambda m: None, [_nothing, rebind],
                    around=lambda: _restored(modeling_llama, "CausalLMOutputWithPast"))
 
-    @unittest.expectedFailure  # hole: R5b, fix pending
+    # hole R5b, fixed: proven._why_class proves every function of a transformers class, the instance dict is checked
     def test_a_property_set_on_a_transformers_class_is_read_at_every_step(self):
         # hole R5b: only `forward` / `__call__` of a transformers class are proven; a data descriptor set on the class
         # (here over the instance attribute `scaling`) runs at every stock forward and once in a recording
@@ -402,7 +402,7 @@ class StateTheStepCheckStillMisses(_Case):
 
         self.check(setup, [_nothing, knob], around=lambda: _restored(LlamaAttention, "scaling"))
 
-    @unittest.expectedFailure  # hole: R5b, fix pending
+    # hole R5b, fixed: proven._why_class proves every function of a transformers class, the instance dict is checked
     def test_a_gemma3_norm_helper_method_patched_between_calls_is_run_by_the_next_call(self):
         # hole R5b: `Gemma3RMSNorm.forward` (digested) calls `self._norm`, a method of the class that is neither
         # digested nor watched: patched between calls, stock's next call runs it, the replay the old one
@@ -416,7 +416,7 @@ class StateTheStepCheckStillMisses(_Case):
         self.check(lambda m: None, [_nothing, patch], builder=_gemma3,
                    around=lambda: _restored(Gemma3RMSNorm, "_norm"))
 
-    @unittest.expectedFailure  # hole: R5b, fix pending
+    # hole R5b, fixed: proven._why_class proves every function of a transformers class, the instance dict is checked
     def test_a_gemma3_norm_helper_set_on_one_instance_between_calls_is_run_by_the_next_call(self):
         # hole R5b, instance-level: `norm._norm = f` shadows the class's method; an instance override is looked for
         # under `forward` / `_call_impl` / `_wrapped_call_impl` only, and per step attributes named "_..." are skipped
@@ -426,7 +426,7 @@ class StateTheStepCheckStillMisses(_Case):
 
         self.check(lambda m: None, [_nothing, patch], builder=_gemma3)
 
-    @unittest.expectedFailure  # hole: R14b, fix pending
+    # hole R14b, fixed: a module attribute added mid-call makes the model proven again (ModelGraphs.sizes)
     def test_an_unregistered_module_set_mid_call_runs_at_the_later_steps(self):
         # hole R14b: the same module put in place by a criterion: a new key of a module's `__dict__`, which the
         # per-step check (the attributes as recorded) does not look for

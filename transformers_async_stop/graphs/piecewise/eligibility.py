@@ -208,6 +208,7 @@ def watched(model, module, family: Family) -> list:
     pairs = [(cls, name) for cls in {type(m) for m in model.modules()} for name in ("forward", "__call__")]
     pairs += [(module, name) for name in family.watched if hasattr(module, name)]
     pairs += _looked_up(module, family)
+    pairs += proven.transformers_methods({type(m) for m in model.modules()})
     return [(owner, name, _FIRST_SEEN.setdefault((owner, name), getattr(owner, name))) for owner, name in pairs]
 
 

@@ -63,6 +63,8 @@ class ModelGraphs:
         self.pointers: list = []
         self.lists: list = []  # the children tables of the model's ModuleLists, and their lengths as recorded
         self.lengths: list = []
+        self.dicts: list = []  # every module's `__dict__`, and its size as recorded
+        self.sizes: list = []
         self.pool = None
 
     def clear(self) -> None:
@@ -73,6 +75,7 @@ class ModelGraphs:
         self._columns = ([], [], [])
         self.modules, self.classes = [], []
         self.lists, self.lengths = [], []
+        self.dicts, self.sizes = [], []
         self.pool = None
 
     def snapshot(self, model) -> None:
@@ -103,6 +106,10 @@ class ModelGraphs:
         # entries above (the children as recorded) cannot show
         self.lists = [module._modules for module in self.modules if type(module) is torch.nn.ModuleList]
         self.lengths = list(map(len, self.lists))
+        # an attribute added to a module's `__dict__` (red team holes R5b, R14b: an instance function shadowing a
+        # method, an unregistered module shadowing a child, set mid-call): the model is proven again
+        self.dicts = [module.__dict__ for module in self.modules]
+        self.sizes = list(map(len, self.dicts))
         base = eligibility.base_of(model)
         # the torch names the replayed Python looks up, and torch's module internals every module call runs
         # (`Module._call_impl`, `__getattr__`...: rebound mid-call, stock's later steps run the new code)
@@ -123,6 +130,8 @@ class ModelGraphs:
             return True  # a class swapped under the recording (`module.__class__ = Subclass`)
         if list(map(len, self.lists)) != self.lengths:
             return True  # a module added to a ModuleList
+        if list(map(len, self.dicts)) != self.sizes:
+            return True  # an attribute added to a module
         return list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
 
 
@@ -259,6 +268,7 @@ class PiecewiseForward:
         recording, outputs = made
         graphs.pool = recording.pool
         graphs.recordings[key] = recording
+        graphs.sizes = list(map(len, graphs.dicts))  # what transformers' own forward set on its modules while recorded
         while len(graphs.recordings) > MAX_KEYS:
             graphs.recordings.popitem(last=False)
         return self._replayed(outputs)

@@ -51,6 +51,7 @@ _MODULE_INTERNALS = ("__call__", "_call_impl", "_wrapped_call_impl", "forward", 
 _NOT_TRANSFORMERS = ("_call_impl", "_wrapped_call_impl", "__getattr__", "__getattribute__")
 _INSTANCE_OVERRIDES = ("forward", "_call_impl", "_wrapped_call_impl")
 _TORCH_DIR = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
+_TRANSFORMERS_DIR = os.path.realpath(os.path.dirname(__import__("transformers").__file__)) + os.sep
 
 
 def why_unread(model, family_sources) -> str | None:
@@ -66,6 +67,11 @@ def why_unread(model, family_sources) -> str | None:
         if why is None:
             table = module.__dict__
             why = next((f"an instance-level {attr}" for attr in _INSTANCE_OVERRIDES if attr in table), None)
+            if why is None:
+                # red team hole R5b: an instance attribute shadowing a method of its class (`norm._norm = f`)
+                why = next((f"an instance-level {attr}" for attr, value in table.items()
+                            if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor))
+                            and _function_of(getattr(cls, attr, None)) is not None), None)
             if why is None:
                 # a module kept out of `_modules` (`object.__setattr__(layer, "mlp", wrapper)`) is found by the
                 # forward's `self.mlp` before the registered child, and `named_modules()` never lists it
@@ -109,7 +115,52 @@ def _why_class(cls, family_sources, helpers) -> str | None:
         for attr in _NOT_TRANSFORMERS:
             if attr in vars(klass):
                 return f"its {klass.__qualname__}.{attr} is not a source the graphed forward has read"
+        # red team hole R5b: a helper the digested forward calls (`Gemma3RMSNorm._norm`) or a property it reads,
+        # replaced on the class by code outside transformers' files (`PreTrainedModel` and its mixins, which this
+        # package patches and whose methods no forward calls, left out)
+        for attr, value in ([] if _model_base(klass) else vars(klass).items()):
+            function = _function_of(value)
+            if function is not None and not _transformers_code(function):
+                return f"its {klass.__qualname__}.{attr} is not transformers' own code"
     return None
+
+
+def transformers_methods(classes) -> list:
+    """(class, name) of every function, property and class/static method defined by the transformers classes along the
+    method order of `classes`: watched for rebinding before each replay (`eligibility.watched`)."""
+    pairs = set()
+    for cls in set(classes):
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("transformers.") and not _model_base(klass):
+                # a classmethod is looked up as a new bound method each time: its rebinding is proven per call only
+                pairs.update((klass, attr) for attr, value in vars(klass).items()
+                             if _function_of(value) is not None and not isinstance(value, classmethod))
+    return sorted(pairs, key=lambda pair: (pair[0].__qualname__, pair[1]))
+
+
+def _model_base(klass) -> bool:
+    """`PreTrainedModel`, one of its bases, or a mixin that is no module (generation, hub, ...)."""
+    from transformers import PreTrainedModel
+
+    return klass in PreTrainedModel.__mro__ or not issubclass(klass, torch.nn.Module)
+
+
+def _function_of(value):
+    """The function behind a class attribute (a function, a property's getter, a class/static method), or None."""
+    if isinstance(value, property):
+        value = value.fget
+    elif isinstance(value, (classmethod, staticmethod)):
+        value = value.__func__
+    return value if hasattr(value, "__code__") else None
+
+
+def _transformers_code(function) -> bool:
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is None or not os.path.realpath(code.co_filename).startswith(_TRANSFORMERS_DIR):
+            return False
+        function = getattr(function, "__wrapped__", None)
+    return True
 
 
 def torch_internals(classes) -> list:
