@@ -47,6 +47,7 @@ RELEASES = [
     "5.12.1", "5.13.1", "5.14.1", "5.15.1", "5.16.1", "5.18.0", "5.19.0", "5.20.2", "5.21.1", "5.22.2",
 ]
 # peft: real LoRA models (tests/test_peft.py); where it does not import (an older torch, a future peft), they skip
+SLOW_ON = ("5.17.0", "5.24.0")  # the releases whose `tests` session also runs the files marked `slow`
 TEST_DEPS = ["accelerate", "pytest", "parameterized", "peft"]
 TEST_ENV = {"TRANSFORMERS_ASYNC_STOP_FORCE": "1", "HF_HUB_OFFLINE": "1"}
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
@@ -67,7 +68,9 @@ def tests(session, transformers):
     # matplotlib: the benchmark's chart is tested on the full-suite releases (the `[bench]` extra)
     session.install("--no-compile", f"transformers=={transformers}", *TEST_DEPS, "matplotlib")
     session.install("--no-deps", "-e", ".")
-    session.run("python", *PYTEST, "tests", *session.posargs, env=TEST_ENV)
+    # the files marked `slow` (pytest.ini) run on SLOW_ON only: CI's 2 cores and 90 minutes
+    marks = [] if transformers in SLOW_ON else ["-m", "not slow"]
+    session.run("python", *PYTEST, "tests", *marks, *session.posargs, env=TEST_ENV)
 
 
 @nox.session(venv_backend="none")
@@ -117,7 +120,7 @@ def newest_torch(session):
     # fails if anything but TORCH_NEWEST was installed (a cap that came back would otherwise pass unseen)
     session.run("python", "-c", "import torch, transformers; print('torch', torch.__version__, '| transformers', "
                 f"transformers.__version__); assert torch.__version__.split('+')[0] == {TORCH_NEWEST!r}")
-    session.run("python", *PYTEST, "tests", *session.posargs, env=TEST_ENV)
+    session.run("python", *PYTEST, "tests", "-m", "not slow", *session.posargs, env=TEST_ENV)
 
 
 @nox.session

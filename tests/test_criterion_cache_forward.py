@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import unittest
 
+import pytest
+
 import torch
 from parameterized import parameterized
 from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
@@ -20,6 +22,9 @@ from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
 import transformers_async_stop
 from models import PAD, assert_same, build, stock
 from transformers_async_stop.testing.emulation import emulated
+
+# heavy: the whole of it runs on 5.17.0 and 5.24.0 in CI (noxfile `SLOW_ON`), the rest of the releases skip it
+pytestmark = pytest.mark.slow
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10], [9, 10, 11, 12, 13, 14]])
 

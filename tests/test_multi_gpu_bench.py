@@ -14,6 +14,8 @@ import tempfile
 import types
 import unittest
 
+import pytest
+
 import torch
 
 from transformers_async_stop import is_patched
@@ -23,6 +25,9 @@ sys.path.insert(0, SCRIPTS)
 
 import multi_gpu_bench  # noqa: E402
 import multi_gpu_measure as mm  # noqa: E402
+
+# heavy: the whole of it runs on 5.17.0 and 5.24.0 in CI (noxfile `SLOW_ON`), the rest of the releases skip it
+pytestmark = pytest.mark.slow
 
 
 class TinyCpuRun(unittest.TestCase):

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import unittest
 
+import pytest
+
 import torch
 from parameterized import parameterized
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -26,6 +28,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
 from transformers_async_stop.testing.emulation import emulated
+
+# heavy: the whole of it runs on 5.17.0 and 5.24.0 in CI (noxfile `SLOW_ON`), the rest of the releases skip it
+pytestmark = pytest.mark.slow
 
 try:  # a test dependency; where it is missing or does not import with this torch/transformers, the tests say so
     import peft

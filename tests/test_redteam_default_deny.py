@@ -14,6 +14,8 @@ import contextlib
 import copy
 import unittest
 
+import pytest
+
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
@@ -21,6 +23,9 @@ import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, build, stock
 from test_graphed_default_deny import _AtStep, _State  # the same mid-call criterion and state holder
 from transformers_async_stop.testing.emulation import emulated
+
+# heavy: the whole of it runs on 5.17.0 and 5.24.0 in CI (noxfile `SLOW_ON`), the rest of the releases skip it
+pytestmark = pytest.mark.slow
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
 KNOB = {"strength": 0.0}  # a module-level global user code reads
