@@ -155,9 +155,11 @@ def _function_of(value):
 
 
 def _transformers_code(function) -> bool:
+    """transformers' code, through any decorators of transformers' or torch's (`@torch.no_grad()` on the rotary
+    embeddings' forward up to 5.23)."""
     while function is not None:
         code = getattr(function, "__code__", None)
-        if code is None or not os.path.realpath(code.co_filename).startswith(_TRANSFORMERS_DIR):
+        if code is None or not os.path.realpath(code.co_filename).startswith((_TRANSFORMERS_DIR, _TORCH_DIR)):
             return False
         function = getattr(function, "__wrapped__", None)
     return True
