@@ -150,7 +150,7 @@ class HookWatch:
         self.modules = self.classes = self.children = None
 
     def hooked(self) -> bool:
-        if self._moved():  # the first look, or a module swapped, replaced or added since
+        if self._moved():  # the first look, or a module swapped or replaced since
             why = foreign_module(self.model, self.modules)
             if why is not None:
                 self.why = why
