@@ -146,10 +146,15 @@ class ForwardKeepsItsInputs(unittest.TestCase):
         report = tas.last_path()
         self.assertEqual(got_kept, want_kept)
         self.assertEqual(got_out.tolist(), want_out.tolist())
-        self.assertEqual(report.path, LOOP)
         if STATIC_LOOP:
+            self.assertEqual(report.path, LOOP)
             self.assertIn("per-step inputs", report.reason or "")
+        elif kind == "module":
+            # before 5.17 the user's module class is code the package has not read: each verdict is read at once
+            self.assertEqual(report.path, "immediate")
+            self.assertIn("LoggingEmbedding", report.reason or "")
         else:
+            self.assertEqual(report.path, LOOP)
             self.assertIsNone(report.reason)
 
     def test_accelerate_device_hook_keeps_in_place_inputs_a_user_accelerate_hook_does_not(self):
