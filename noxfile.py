@@ -3,12 +3,13 @@
 by hand (see `newest`).
 
 - `tests`: the whole suite, one fresh virtualenv per release, on the releases named in README.md:
-  4.57.6, 5.0.0, 5.17.0, 5.23.0 and 5.24.0.
-- `releases`: the newest patch of every minor in between (5.1 ... 5.22), quickly: the drift test
-  (tests/test_patching.py) plus the tests marked `core` (see pytest.ini). The releases share one virtualenv
-  (.nox/_releases/base: torch, the test dependencies, this package) and each release is installed, with its own
-  huggingface_hub/tokenizers/..., into its own `pip install --target` directory (.nox/_releases/<version>) that goes
-  first on PYTHONPATH. One release: `nox -s "releases(transformers='5.9.0')"`.
+  4.57.6, 5.0.0, 5.17.0 and 5.24.0, in two pytest-xdist workers (CI's two cores).
+- `releases`: the newest patch of every minor in between (5.1 ... 5.23), quickly: the drift test
+  (tests/test_patching.py, marked `drift`) plus the tests marked `core` (see pytest.ini), two releases at a time,
+  each in one pytest process. The releases share one virtualenv (.nox/_releases/base: torch, the test dependencies,
+  this package) and each release is installed, with its own huggingface_hub/tokenizers/..., into its own
+  `pip install --target` directory (.nox/_releases/<version>) that goes first on PYTHONPATH. Some releases only:
+  `nox -s releases -- 5.9.0 5.23.0`.
 - `floor`: the lowest torch and transformers that setup.py declares (TORCH_FLOOR, TRANSFORMERS[0]), together: the
   drift test and the core subset. Its torch comes from the package index with its CUDA libraries (about 5 GB, 5
   minutes on a 2-core machine; the CPU-only builds live on download.pytorch.org, out of reach of some CI hosts).
@@ -20,16 +21,21 @@ by hand (see `newest`).
 
 torch is pinned to 2.13.0 in `tests` and `releases`: on the CI machines that is a local CPU build (an unpinned torch
 pulls GBs of CUDA wheels).
+Every pytest run has one thread per process (OMP_NUM_THREADS=1): two workers, or two releases, on two cores with
+torch's default thread count each would oversubscribe them (OpenMP's spinning waits made the suite slower than one
+process: 2026-11-27, the 5.24.0 suite 7 min with two workers of one thread, over 18 min with two of two).
 Every install passes `--no-compile`: byte-compiling torch and transformers at install time is most of the install time
 on a 2-core machine (torch 31 s -> 8 s, one transformers release 18 s -> 5 s); modules are compiled when imported.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import fcntl
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -40,17 +46,21 @@ TORCH = "2.13.0"
 TORCH_FLOOR = "2.6.0"  # setup.py's `torch>=2.6`: transformers 5.x's own floor; keep the two in step
 TORCH_NEWEST = "2.15.0"  # the newest torch release (`pip index versions torch`)
 # The whole suite runs on these (keep in step with README.md, "Supported transformers releases").
-TRANSFORMERS = ["4.57.6", "5.0.0", "5.17.0", "5.23.0", "5.24.0"]
+TRANSFORMERS = ["4.57.6", "5.0.0", "5.17.0", "5.24.0"]
 # The newest patch release of every minor between them (`pip index versions transformers`), drift + core tests only.
 RELEASES = [
     "5.1.0", "5.2.0", "5.3.0", "5.4.0", "5.5.4", "5.6.2", "5.7.0", "5.8.1", "5.9.0", "5.10.4", "5.11.0",
-    "5.12.1", "5.13.1", "5.14.1", "5.15.1", "5.16.1", "5.18.0", "5.19.0", "5.20.2", "5.21.1", "5.22.2",
+    "5.12.1", "5.13.1", "5.14.1", "5.15.1", "5.16.1", "5.18.0", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0",
 ]
 # peft: real LoRA models (tests/test_peft.py); where it does not import (an older torch, a future peft), they skip
 SLOW_ON = ("5.17.0", "5.24.0")  # the releases whose `tests` session also runs the files marked `slow`
-TEST_DEPS = ["accelerate", "pytest", "parameterized", "peft"]
-TEST_ENV = {"TRANSFORMERS_ASYNC_STOP_FORCE": "1", "HF_HUB_OFFLINE": "1"}
+TEST_DEPS = ["accelerate", "pytest", "parameterized", "peft", "pytest-xdist"]
+TEST_ENV = {"TRANSFORMERS_ASYNC_STOP_FORCE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
+# the whole suite in two worker processes (CI's two cores); `loadscope` keeps a test class on one worker, so a
+# class's setUpClass (a model built once) runs once
+XDIST = ["-n", "2", "--dist", "loadscope"]
+JOBS = 2  # releases run at once by `releases`
 
 # The CI machines' pip configuration (global `constraint` = /etc/xdg/pip/constraints.txt) caps torch at the releases
 # on their disk (torch<=2.14.1). An environment variable overrides the configuration file's value; pip ignores an
@@ -70,33 +80,47 @@ def tests(session, transformers):
     session.install("--no-deps", "-e", ".")
     # the files marked `slow` (pytest.ini) run on SLOW_ON only: CI's 2 cores and 90 minutes
     marks = [] if transformers in SLOW_ON else ["-m", "not slow"]
-    session.run("python", *PYTEST, "tests", *marks, *session.posargs, env=TEST_ENV)
+    session.run("python", *PYTEST, *XDIST, "tests", *marks, *session.posargs, env=TEST_ENV)
 
 
 @nox.session(venv_backend="none")
-@nox.parametrize("transformers", RELEASES)
-def releases(session, transformers):
+def releases(session):
+    """The drift test and the core subset on every release of RELEASES (or those named: `nox -s releases -- 5.9.0`),
+    JOBS at a time, each in one pytest process; each release's output is printed when it ends."""
+    versions = session.posargs or RELEASES
+    unknown = [v for v in versions if not v.replace(".", "").isdigit()]
+    if unknown:
+        session.error(f"releases: {unknown} are not release numbers (for example `nox -s releases -- 5.9.0`)")
     python = _shared_base(session)
-    target = _release_dir(session, python, transformers)
-    env = {**TEST_ENV, "PYTHONPATH": str(target)}
-    session.run(python, "-c", "import transformers, huggingface_hub as hub; print('transformers', "
-                "transformers.__version__, 'from', transformers.__file__, '| huggingface_hub', hub.__version__)",
-                env=env, external=True)
+    # only the files holding a `core` test are collected (collecting all of tests/ takes 15 s per release)
+    files = ["tests/test_patching.py"] + sorted(
+        str(path.relative_to(ROOT)) for path in (ROOT / "tests").glob("test_*.py")
+        if path.name != "test_patching.py" and "pytest.mark.core" in path.read_text())
+
+    def run(version):
+        # each job installs its release (one's download overlaps the other's tests)
+        install = _release_dir(python, version)
+        if install is not None:
+            return version, 1, install
+        env = {**os.environ, **TEST_ENV, "PYTHONPATH": str(SHARED / version)}
+        banner = subprocess.run([python, "-c", "import transformers, huggingface_hub as hub; print('transformers', "
+                                 "transformers.__version__, 'from', transformers.__file__, '| huggingface_hub', "
+                                 "hub.__version__)"], env=env, cwd=ROOT, capture_output=True, text=True)
+        # the drift test (every target in targets/ where the table says, with the parameters it relies on) and the
+        # core flag-vs-stock equality subset, in one process
+        done = subprocess.run([python, *PYTEST, "-m", "drift or core", *files], env=env, cwd=ROOT,
+                              capture_output=True, text=True)
+        return version, done.returncode, banner.stdout + banner.stderr + done.stdout + done.stderr
+
     failed = []
-    # 1. the drift test: every target in targets/ is where the table says, with the parameters it relies on
-    try:
-        session.run(python, *PYTEST, "tests/test_patching.py", *session.posargs, env=env, external=True)
-    except nox.command.CommandFailed:
-        failed.append("drift (tests/test_patching.py)")
-    # 2. the core flag-vs-stock equality subset, run even when the drift test failed. Exit code 5 ("no tests
-    #    collected") only means that no test is marked `core` yet; any failure or collection error still fails.
-    try:
-        session.run(python, *PYTEST, "tests", "-m", "core", "--ignore=tests/test_patching.py", *session.posargs,
-                    env=env, external=True, success_codes=[0, 5])
-    except nox.command.CommandFailed:
-        failed.append("core (-m core)")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=JOBS) as pool:
+        for version, code, output in pool.map(run, versions):
+            session.log(f"transformers {version}: drift and core tests {'passed' if code == 0 else 'FAILED'}")
+            print(output, flush=True)
+            if code != 0:
+                failed.append(version)
     if failed:
-        session.error(f"transformers {transformers}: {' and '.join(failed)} failed")
+        session.error(f"the drift or core tests failed on transformers {', '.join(failed)}")
 
 
 @nox.session
@@ -105,9 +129,7 @@ def floor(session):
     session.install("--no-deps", "-e", ".")
     session.run("python", "-c", "import torch, transformers; print('torch', torch.__version__, '| transformers', "
                 "transformers.__version__)")
-    session.run("python", *PYTEST, "tests/test_patching.py", *session.posargs, env=TEST_ENV)
-    session.run("python", *PYTEST, "tests", "-m", "core", "--ignore=tests/test_patching.py", *session.posargs,
-                env=TEST_ENV)
+    session.run("python", *PYTEST, "tests", "-m", "drift or core", *session.posargs, env=TEST_ENV)
 
 
 @nox.session
@@ -120,7 +142,7 @@ def newest_torch(session):
     # fails if anything but TORCH_NEWEST was installed (a cap that came back would otherwise pass unseen)
     session.run("python", "-c", "import torch, transformers; print('torch', torch.__version__, '| transformers', "
                 f"transformers.__version__); assert torch.__version__.split('+')[0] == {TORCH_NEWEST!r}")
-    session.run("python", *PYTEST, "tests", "-m", "not slow", *session.posargs, env=TEST_ENV)
+    session.run("python", *PYTEST, *XDIST, "tests", "-m", "not slow", *session.posargs, env=TEST_ENV)
 
 
 @nox.session
@@ -183,18 +205,22 @@ def _shared_base(session) -> str:
     return str(python)
 
 
-def _release_dir(session, python: str, version: str) -> Path:
-    """transformers==version and its own dependencies (huggingface_hub, tokenizers, ...) in a --target directory."""
+def _release_dir(python: str, version: str) -> str | None:
+    """transformers==version and its own dependencies (huggingface_hub, tokenizers, ...) in a --target directory,
+    SHARED / version; None once there, else pip's output (it failed). Called from `releases`' worker threads: plain
+    subprocesses, not `session.run`."""
     target = SHARED / version
     stamp = SHARED / f"{version}.installed"
     with _locked(version):
         if stamp.exists() and (target / "transformers").is_dir():
-            return target
+            return None
         shutil.rmtree(target, ignore_errors=True)
-        session.run(python, "-m", "pip", "install", "-q", "--no-compile", "--target", str(target),
-                    f"transformers=={version}", external=True)
+        done = subprocess.run([python, "-m", "pip", "install", "-q", "--no-compile", "--target", str(target),
+                               f"transformers=={version}"], capture_output=True, text=True)
+        if done.returncode != 0:
+            return f"pip install transformers=={version} failed:\n{done.stdout}{done.stderr}"
         stamp.write_text(version)
-    return target
+    return None
 
 
 # --- the upstream patch series ------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import unittest
 
+import pytest
 from parameterized import parameterized
 from transformers import GenerationConfig
 
@@ -20,6 +21,9 @@ from transformers_async_stop.release_checks import verified
 from transformers_async_stop.release_checks.targets import SHORTCUTS, TARGETS, Target, present_in
 
 from models import PAD, TRANSFORMERS_VERSION, build, prompt
+
+# the drift test: `nox -s releases` runs this file with the `core` tests on every minor release (pytest.ini)
+pytestmark = pytest.mark.drift
 
 TARGETS_FILE = inspect.getsourcefile(importlib.import_module("transformers_async_stop.release_checks.targets"))
 
