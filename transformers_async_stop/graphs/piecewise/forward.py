@@ -45,6 +45,7 @@ _STORE_LOCK = threading.Lock()
 _TRAINING = operator.attrgetter("training")
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
 _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_PLAIN_TABLES = (dict, collections.OrderedDict)
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
 
 
@@ -56,6 +57,7 @@ class ModelGraphs:
         self.failed: dict = {}  # key -> why its recording failed (not tried again while the model is unchanged)
         self.entries: list = []  # (owner dict, name, object): every submodule, parameter and buffer as recorded
         self.functions: list = []  # (namespace, name, object): the torch names the replayed Python looks up
+        self._functions: list = []  # `functions` by their namespace's type: (its `get`, three lists)
         self._columns: tuple = ([], [], [])  # `entries` as three lists
         self.modules: list = []  # every module of the model as recorded, and its class (`module.__class__ = X`)
         self.classes: list = []
@@ -70,7 +72,7 @@ class ModelGraphs:
     def clear(self) -> None:
         self.recordings.clear()
         self.failed.clear()
-        self.functions = []
+        self.functions, self._functions = [], []
         self.entries, self.tensors, self.pointers = [], [], []
         self._columns = ([], [], [])
         self.modules, self.classes = [], []
@@ -115,7 +117,12 @@ class ModelGraphs:
         # (`Module._call_impl`, `__getattr__`...: rebound mid-call, stock's later steps run the new code)
         self.functions = watched_functions(model, sys.modules[type(base).__module__]) + proven.torch_internals(
             self.classes)
-        self._columns = tuple(map(list, zip(*entries))) if entries else ([], [], [])
+        self._columns = _columns(entries)
+        # a module's dict or a class's (a mappingproxy): each kind's own `get`, mapped from C
+        kinds: dict = {}
+        for entry in self.functions:
+            kinds.setdefault(type(entry[0]), []).append(entry)
+        self._functions = [(kind.get, *_columns(group)) for kind, group in kinds.items()]
         self.pointers = [tensor.data_ptr() for tensor in tensors]
 
 
@@ -124,8 +131,9 @@ class ModelGraphs:
         tables, names, values = self._columns
         if any(map(operator.is_not, map(dict.get, tables, names), values)):
             return True
-        if any(table.get(name) is not value for table, name, value in self.functions):
-            return True
+        for get, tables, names, values in self._functions:
+            if any(map(operator.is_not, map(get, tables, names), values)):
+                return True
         if list(map(type, self.modules)) != self.classes:
             return True  # a class swapped under the recording (`module.__class__ = Subclass`)
         if list(map(len, self.lists)) != self.lengths:
@@ -133,6 +141,11 @@ class ModelGraphs:
         if list(map(len, self.dicts)) != self.sizes:
             return True  # an attribute added to a module
         return list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
+
+
+def _columns(entries) -> tuple:
+    """(dict, name, value) triples as three lists, for the per-step C-level maps."""
+    return tuple(map(list, zip(*entries))) if entries else ([], [], [])
 
 
 def _attribute_entries(model) -> list:
@@ -195,10 +208,18 @@ class PiecewiseForward:
         self.hook_tables = [table for module in every for table in (
             module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
             getattr(module, "_backward_pre_hooks", {}))]
+        # torch's own tables (dict / OrderedDict, whose truth is their length): `any` tests them without a call each;
+        # a table of another type (a user's mapping) keeps the per-table `len`
+        self.plain_hook_tables = all(type(table) in _PLAIN_TABLES for table in self.hook_tables)
         self.module_dicts = [module.__dict__ for module in every]
         rebound = eligibility.watched(model, sys.modules[type(base).__module__], family)
         self.rebound = tuple(map(list, zip(*rebound))) if rebound else ([], [], [])
         self.every = every
+        # the key's dtype is this module's weight's, read at each step (`get_input_embeddings()` itself costs
+        # microseconds: transformers' lookup goes through failed attribute reads). A replaced embedding module is a
+        # replaced child, which `ModelGraphs.changed` finds before any replay; `_record` watches again, and keys the
+        # recording it makes by the module as it is then
+        self.embeddings = model.get_input_embeddings()
 
     def __call__(self, **inputs):
         if self.off is None:
@@ -245,6 +266,7 @@ class PiecewiseForward:
             self.off = why
             return self._eager(why, inputs)
         self._watch()
+        key = key[:-1] + (self.embeddings.weight.dtype,)  # the embedding module as watched now (`_watch`)
         graphs = self.graphs
         if not graphs.recordings:
             graphs.clear()
@@ -304,7 +326,9 @@ class PiecewiseForward:
 
     def _why_not_observed(self) -> str | None:
         hooks = torch.nn.modules.module
-        if any(map(len, self.hook_tables)) or hooks._global_forward_pre_hooks or hooks._global_forward_hooks:
+        tables = self.hook_tables
+        if (any(tables) if self.plain_hook_tables else any(map(len, tables))) or (
+                hooks._global_forward_pre_hooks or hooks._global_forward_hooks):
             return "a hook was added"
         if any(map(operator.contains, self.module_dicts, itertools.repeat("forward"))):
             return "a forward was wrapped"
@@ -350,7 +374,6 @@ class PiecewiseForward:
         if torch.is_grad_enabled() or torch.is_autocast_enabled() or torch.is_autocast_enabled(self.device.type):
             return None, None, "gradients or autocast enabled"
         key = (ids.shape[0], ids.dtype, positions.dtype, self.device, mask is None, keep,
-               self.model.get_input_embeddings().weight.dtype,
                # every torch setting that can change a kernel's choice or its numerics (`settings.py`)
                settings.read(),
                # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them
@@ -358,7 +381,9 @@ class PiecewiseForward:
                # callers normal tensors where stock gives inference ones
                torch.is_inference_mode_enabled(),
                # factory calls without a device inside the pieces were recorded on this default device
-               _default_device())
+               _default_device(),
+               # the model's dtype, last (`_record` puts the one of the embedding module as it watches it then)
+               self.embeddings.weight.dtype)
         return mask, key, None
 
 

@@ -17,6 +17,7 @@ this torch does not have is left out (older releases).
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 
@@ -87,13 +88,18 @@ def _readers() -> tuple:
     return tuple(found)
 
 
-_READ = _readers()
 _OPT_EINSUM = getattr(torch.backends, "opt_einsum", None)
+
+
+def _opt_einsum() -> tuple:
+    return getattr(_OPT_EINSUM, "enabled", None), getattr(_OPT_EINSUM, "strategy", None)
+
+
+_READ = _readers() + ((_opt_einsum,) if _OPT_EINSUM is not None else ())
+# each reader called from C (`map`) rather than by a Python loop: read at every decode step
+_CALL = getattr(operator, "call", None) or (lambda reader: reader())  # operator.call: Python 3.11+
 
 
 def read() -> tuple:
     """Every setting, as a hashable tuple (a few microseconds: C readers)."""
-    values = [reader() for reader in _READ]
-    if _OPT_EINSUM is not None:
-        values.append((getattr(_OPT_EINSUM, "enabled", None), getattr(_OPT_EINSUM, "strategy", None)))
-    return tuple(values)
+    return tuple(map(_CALL, _READ))

@@ -1,0 +1,148 @@
+"""Issue 32: the graphed forward's per-step checks, made cheaper, still catch what they caught.
+
+`ModelGraphs.changed` maps each namespace kind's own `get` over the watched torch names (a module's dict, a class's
+mappingproxy); `PiecewiseForward._why_not_observed` tests torch's hook tables by their truth, and a table of another
+type by its length; the recording key reads the dtype of the embedding module watched at `_watch` (not
+`get_input_embeddings()` at every step), and a recording made after the module was replaced is keyed by the new one.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import unittest
+from unittest import mock
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+import transformers_async_stop as tas
+from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
+from transformers_async_stop.graphs.piecewise import eligibility, forward
+from transformers_async_stop.testing.emulation import emulated
+
+RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
+
+
+class WatchedNamesStale(unittest.TestCase):
+    """A torch name the replayed Python looks up, rebound after the recording, is stale: in a module's dict and in a
+    class's dict (a mappingproxy: `dict.get` does not apply to it)."""
+
+    def setUp(self):
+        self.model = build("llama").eval()
+        self.graphs = forward.ModelGraphs()
+        self.graphs.snapshot(self.model)
+
+    def _kinds(self):
+        return {type(table) for table, _, _ in self.graphs.functions}
+
+    def test_an_unchanged_model_is_not_stale(self):
+        self.assertEqual(self._kinds(), {dict, type(type.__dict__)})
+        self.assertFalse(self.graphs.changed())
+
+    def test_a_rebound_name_in_each_kind_of_namespace_is_stale(self):
+        classes = {cls for module in self.model.modules() for cls in type(module).__mro__}
+        for kind in self._kinds():
+            for table, name, value in self.graphs.functions:
+                if type(table) is not kind:
+                    continue
+                # a class's dict: the Python class it belongs to (a mappingproxy is made at each `vars()`)
+                owner = table if kind is dict else next(
+                    (cls for cls in classes if cls.__module__ != "builtins" and vars(cls) == table), None)
+                if owner is not None:
+                    break
+            replacement = lambda *args, **kwargs: value(*args, **kwargs)  # noqa: E731
+            with self.subTest(kind=kind.__name__, name=name):
+                patch = mock.patch.dict(owner, {name: replacement}) if kind is dict else mock.patch.object(
+                    owner, name, replacement)
+                with patch:
+                    self.assertTrue(self.graphs.changed())
+                self.assertFalse(self.graphs.changed())
+
+
+class _FalsyHooks(collections.OrderedDict):
+    """A hook table whose truth is not its length (a user's mapping)."""
+
+    def __bool__(self):
+        return False
+
+
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
+class HookTablesSeen(unittest.TestCase):
+    def setUp(self):
+        self.model = build("llama").eval()
+        self.step = forward.PiecewiseForward(self.model, self.model.__call__, None)
+
+    def test_no_hook_is_observed(self):
+        self.assertTrue(self.step.plain_hook_tables)
+        self.assertIsNone(self.step._why_not_observed())
+
+    def test_a_registered_hook_is_seen(self):
+        handle = self.model.model.layers[1].mlp.register_forward_pre_hook(lambda *args: None)
+        try:
+            self.assertEqual(self.step._why_not_observed(), "a hook was added")
+        finally:
+            handle.remove()
+        self.assertIsNone(self.step._why_not_observed())
+
+    def test_a_table_of_another_type_is_read_by_its_length(self):
+        module = self.model.model.layers[0].self_attn.o_proj
+        module._forward_hooks = _FalsyHooks()
+        self.step._watch()
+        self.assertFalse(self.step.plain_hook_tables)
+        self.assertIsNone(self.step._why_not_observed())
+        module._forward_hooks[0] = lambda *args: None
+        self.assertEqual(self.step._why_not_observed(), "a hook was added")
+
+
+class _SwapEmbeddingsAt(StoppingCriteria):
+    """Replaces the input embedding module by a bf16 copy once the sequence reaches `length` tokens; never stops.
+    (The decoder layers promote the bf16 hidden states back to fp32: the model runs, mixed, in stock too.)"""
+
+    def __init__(self, model, length):
+        self.model, self.length, self.old = model, length, model.get_input_embeddings()
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if input_ids.shape[1] == self.length:
+            self.model.set_input_embeddings(copy.deepcopy(self.old).to(torch.bfloat16))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def remove(self):
+        self.model.set_input_embeddings(self.old)
+
+
+@unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
+@mock.patch.dict("os.environ", {eligibility.PIECEWISE_ENV: "1"})
+class EmbeddingsReplacedMidCall(unittest.TestCase):
+    def setUp(self):
+        self.enterContext(emulated())
+
+    def test_the_recording_after_the_swap_is_keyed_by_the_new_embeddings_dtype(self):
+        model = build("llama").eval()
+        ids, mask = prompt(batch=1)
+        outputs = []
+        for flag in (None, True):
+            swap = _SwapEmbeddingsAt(model, ids.shape[1] + 3)
+            kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          return_dict_in_generate=True, output_scores=True,
+                          stopping_criteria=StoppingCriteriaList([swap]))
+            try:
+                with torch.no_grad():
+                    if flag:
+                        outputs.append(model.generate(ids, async_stopping_criteria=True, **kwargs))
+                    else:
+                        with stock():
+                            outputs.append(model.generate(ids, **kwargs))
+            finally:
+                swap.remove()
+        assert_same(self, outputs[0], outputs[1])
+        self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
+        # one recording, made after the swap, under the new module's dtype: a key read from the module watched before
+        # the swap would have filed it under fp32, and the next step (bf16) would have recorded again
+        keys = list(forward.graphs_of(model).recordings)
+        self.assertEqual(len(keys), 1, keys)
+        self.assertIs(keys[0][-1], torch.bfloat16)
+
+
+if __name__ == "__main__":
+    unittest.main()
