@@ -148,6 +148,10 @@ def main() -> None:
     sums_hot = [sum(run) for run in zip(*top_hot)]
     print(f"{'total (top-level rows)':40s} {'':10s} {statistics.median(sums):9.1f} {min(sums):9.1f} "
           f"{min(sums_hot):9.1f}")
+    graphs = forward.graphs_of(model)
+    print(f"what the checks walk: ModelGraphs {len(graphs.entries)} (dict, name, object) entries, "
+          f"{len(graphs.functions)} torch names, {len(graphs.tensors)} tensor pointers, {len(graphs.modules)} classes "
+          f"and __dict__ sizes")
 
 
 if __name__ == "__main__":
