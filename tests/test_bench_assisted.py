@@ -76,6 +76,15 @@ class AssistedCases(unittest.TestCase):
         self.assertIs(copy.model, target.model)
         self.assertIsNot(copy.generation_config, target.generation_config)
 
+    def test_drafts_are_in_eval_mode_like_their_target(self):
+        # a new ModuleList starts in training mode: the shared draft's forward then stayed eager in every bench run
+        # ("draft forward eager: training mode"), which stock's draft does not care about
+        target = small_cases()["small-draft"].build(torch.device("cpu"), torch.float32).eval()
+        for kind in ("shared", "copy"):
+            draft = assisted.make_draft(target, kind)
+            self.assertEqual([name for name, m in draft.named_modules() if m.training], [], kind)
+        self.assertFalse(any(m.training for m in target.modules()))
+
     def test_the_cases_are_opt_in(self):
         builtin = catalog.builtin_cases()
         for name in ("llama-1b-draft", "llama-1b-copy", "llama-1b-lookup"):

@@ -140,6 +140,9 @@ def make_draft(target, kind: str):
         draft.model.layers = torch.nn.ModuleList(target.model.layers[:DRAFT_LAYERS])
         draft.model.norm = target.model.norm
         draft.lm_head = target.lm_head
+        # the new model and its new ModuleList start in training mode (the target's shared modules are in eval):
+        # a draft in training mode keeps the graphed forward off ("training mode")
+        draft.eval()
         gpu.free(param.device)
     draft.generation_config = copy.deepcopy(target.generation_config)
     draft.generation_config.num_assistant_tokens = DRAFT_TOKENS

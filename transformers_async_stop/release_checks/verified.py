@@ -60,14 +60,12 @@ def _objects(name: str) -> tuple:
 def _foreign_wrapper(obj) -> bool:
     """Whether `obj` wraps another function (`functools.wraps`, whose source `inspect` shows instead) in code that
     is not transformers', torch's or this package's own patch."""
-    import os
-
-    from ..undo.module_state import library_dirs
+    from ..undo.module_state import library_dirs, real_path
 
     allowed = library_dirs()  # by real path: transformers imported under a second path is still transformers
     while getattr(obj, "__wrapped__", None) is not None:
         code = getattr(obj, "__code__", None)
-        foreign = code is None or not os.path.realpath(code.co_filename).startswith(allowed)
+        foreign = code is None or not real_path(code.co_filename).startswith(allowed)
         if foreign and not getattr(obj, _OWN_MARK, False):
             return True
         obj = obj.__wrapped__

@@ -34,6 +34,7 @@ import types
 import torch
 
 from ...release_checks.verified import matches
+from ...undo.module_state import real_path
 
 # torch modules whose forward the families use, each a fixed composition of ops over the module's own parameters
 # (Dropout: an identity outside training mode, which steps aside). Exact classes only: a subclass is user code.
@@ -159,7 +160,7 @@ def _transformers_code(function) -> bool:
     embeddings' forward up to 5.23)."""
     while function is not None:
         code = getattr(function, "__code__", None)
-        if code is None or not os.path.realpath(code.co_filename).startswith((_TRANSFORMERS_DIR, _TORCH_DIR)):
+        if code is None or not real_path(code.co_filename).startswith((_TRANSFORMERS_DIR, _TORCH_DIR)):
             return False
         function = getattr(function, "__wrapped__", None)
     return True
@@ -187,7 +188,7 @@ def _torch_code(function) -> bool:
     """A Python function (and every function it wraps) whose code lives in torch's own files."""
     while function is not None:
         code = getattr(getattr(function, "__func__", function), "__code__", None)
-        if code is None or not os.path.realpath(code.co_filename).startswith(_TORCH_DIR):
+        if code is None or not real_path(code.co_filename).startswith(_TORCH_DIR):
             return False
         function = getattr(function, "__wrapped__", None)
     return True
