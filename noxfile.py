@@ -2,9 +2,9 @@
 .ci/run and README.md, "Running the tests"); `nox -s newest` is the porting check for a new transformers release, run
 by hand (see `newest`).
 
-- `tests`: the whole suite, one fresh virtualenv per release, on the releases named in README.md:
-  4.57.6, 5.0.0, 5.17.0 and 5.24.0, in two pytest-xdist workers (CI's two cores).
-- `releases`: the newest patch of every minor in between (5.1 ... 5.23), quickly: the drift test
+- `tests`: the whole suite, one fresh virtualenv per release, on 4.57.6, 5.0.0 and 5.17.0 (the files marked `slow`
+  on 5.17.0), in two pytest-xdist workers (CI's two cores). The newest release's whole suite is `newest_torch`'s.
+- `releases`: the newest patch of every minor from 5.1 to 5.24 (5.24.0 with torch 2.13.0 here), quickly: the drift test
   (tests/test_patching.py, marked `drift`) plus the tests marked `core` (see pytest.ini), two releases at a time,
   each in one pytest process. The releases share one virtualenv (.nox/_releases/base: torch, the test dependencies,
   this package) and each release is installed, with its own huggingface_hub/tokenizers/..., into its own
@@ -13,7 +13,8 @@ by hand (see `newest`).
 - `floor`: the lowest torch and transformers that setup.py declares (TORCH_FLOOR, TRANSFORMERS[0]), together: the
   drift test and the core subset. Its torch comes from the package index with its CUDA libraries (about 5 GB, 5
   minutes on a 2-core machine; the CPU-only builds live on download.pytorch.org, out of reach of some CI hosts).
-- `newest_torch`: the whole suite on the newest torch (TORCH_NEWEST) with the newest supported transformers. The CI
+- `newest_torch`: the whole suite, the files marked `slow` included, on the newest torch (TORCH_NEWEST) with the
+  newest supported transformers (NEWEST). The CI
   machines' pip configuration caps torch at the releases on their disk, so this session lifts the cap for its own
   install (NO_TORCH_CAP) and gets torch from the package index with its CUDA libraries (about 2.6 GB of downloads,
   5.4 GB installed).
@@ -46,14 +47,16 @@ TORCH = "2.13.0"
 TORCH_FLOOR = "2.6.0"  # setup.py's `torch>=2.6`: transformers 5.x's own floor; keep the two in step
 TORCH_NEWEST = "2.15.0"  # the newest torch release (`pip index versions torch`)
 # The whole suite runs on these (keep in step with README.md, "Supported transformers releases").
-TRANSFORMERS = ["4.57.6", "5.0.0", "5.17.0", "5.24.0"]
+TRANSFORMERS = ["4.57.6", "5.0.0", "5.17.0"]
+NEWEST = "5.24.0"  # the newest supported release: its whole suite runs on the newest torch (`newest_torch`)
 # The newest patch release of every minor between them (`pip index versions transformers`), drift + core tests only.
 RELEASES = [
     "5.1.0", "5.2.0", "5.3.0", "5.4.0", "5.5.4", "5.6.2", "5.7.0", "5.8.1", "5.9.0", "5.10.4", "5.11.0",
     "5.12.1", "5.13.1", "5.14.1", "5.15.1", "5.16.1", "5.18.0", "5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0",
+    NEWEST,
 ]
 # peft: real LoRA models (tests/test_peft.py); where it does not import (an older torch, a future peft), they skip
-SLOW_ON = ("5.17.0", "5.24.0")  # the releases whose `tests` session also runs the files marked `slow`
+SLOW_ON = ("5.17.0",)  # the releases whose `tests` session also runs the files marked `slow` (and `newest_torch`)
 TEST_DEPS = ["accelerate", "pytest", "parameterized", "peft", "pytest-xdist"]
 TEST_ENV = {"TRANSFORMERS_ASYNC_STOP_FORCE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 PYTEST = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
@@ -136,13 +139,13 @@ def floor(session):
 def newest_torch(session):
     """The whole suite on the newest torch, from the package index past the machine's cap (NO_TORCH_CAP), with the
     newest supported transformers. Its own virtualenv (.nox/newest_torch): nothing from the torch 2.13.0 ones."""
-    session.install("--no-compile", f"torch=={TORCH_NEWEST}", f"transformers=={TRANSFORMERS[-1]}", *TEST_DEPS,
+    session.install("--no-compile", f"torch=={TORCH_NEWEST}", f"transformers=={NEWEST}", *TEST_DEPS,
                     "matplotlib", env=NO_TORCH_CAP)
     session.install("--no-deps", "-e", ".")
     # fails if anything but TORCH_NEWEST was installed (a cap that came back would otherwise pass unseen)
     session.run("python", "-c", "import torch, transformers; print('torch', torch.__version__, '| transformers', "
                 f"transformers.__version__); assert torch.__version__.split('+')[0] == {TORCH_NEWEST!r}")
-    session.run("python", *PYTEST, *XDIST, "tests", "-m", "not slow", *session.posargs, env=TEST_ENV)
+    session.run("python", *PYTEST, *XDIST, "tests", *session.posargs, env=TEST_ENV)
 
 
 @nox.session
