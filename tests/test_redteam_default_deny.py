@@ -5,7 +5,7 @@ A red team (2026-11-27, /work/notes/redteam31.md) attacked the graphed decode fo
 test here is one way a replay could still repeat what one recording did while stock runs new code or reads new state:
 a flag call under the CPU emulation of CUDA graphs is compared with unpatched transformers (every call's sequences and
 scores, what the user code saw, the RNG after the calls), greedy and sampled, as `test_graphed_default_deny.py` does.
-A test whose hole is not fixed yet is marked `expectedFailure` with its hole's id (see the note).
+Each test names its hole's id (see the note, docs/red-team/2026-11-27-graphed-default-deny.md); all are fixed.
 """
 
 from __future__ import annotations
@@ -326,9 +326,10 @@ class StateTheStepCheckDidNotCompare(_Case):
 
 
 class StateTheStepCheckStillMisses(_Case):
-    """Holes left to the lead (outside proven.py / settings.py / forward.py, or a cost to weigh)."""
+    """Holes left to the lead after the red team (outside proven.py / settings.py / forward.py, or a cost to weigh),
+    all fixed since."""
 
-    @unittest.expectedFailure  # hole: R2, fix pending
+    # hole R2, fixed: staleness.ModelGraphs compares each tensor's shape and stride (torch's tensor guard)
     def test_a_weight_given_another_shape_on_the_same_storage_is_used_by_the_next_call(self):
         # hole R2: the per-step check compares each parameter's data_ptr, not its shape/stride: `w.data = w.data[:32]`
         # (vocabulary rows dropped) keeps the address, and the replay keeps the recorded geometry
@@ -338,7 +339,7 @@ class StateTheStepCheckStillMisses(_Case):
 
         self.check(lambda m: None, [_nothing, trim])
 
-    @unittest.expectedFailure  # hole: R2, fix pending
+    # hole R2, fixed: staleness.ModelGraphs compares each tensor's shape and stride (torch's tensor guard)
     def test_a_weight_transposed_through_data_is_used_by_the_next_call(self):
         def transpose(model, state):
             weight = model.model.layers[0].self_attn.o_proj.weight
@@ -467,7 +468,7 @@ class StateTheStepCheckStillMisses(_Case):
 
         self.check(lambda m: None, [_mid_call(3, rebind)], around=around)
 
-    @unittest.expectedFailure  # hole: R12, fix pending
+    # hole R12, fixed: what the code the recording runs eagerly raises is the caller's (graphs._Recorder._eager)
     def test_a_user_attention_error_that_mentions_capture_reaches_the_caller(self):
         # hole R12: `graphs.capture_failure` takes any RuntimeError whose message holds "captur" for the recording's
         # own failure: the user's error raised by its attention function (registered for "sdpa", run eagerly while
@@ -498,7 +499,7 @@ class StateTheStepCheckStillMisses(_Case):
 
         self.check(setup, [_nothing], around=around)
 
-    @unittest.expectedFailure  # hole: R10, fix pending
+    # hole R10, fixed: the contents of config containers are compared (staleness.ModelGraphs.contents)
     def test_gemma3_layer_types_edited_in_place_mid_call_raise_as_in_stock(self):
         # hole R10: config fields are compared by identity; a list edited in place (`config.layer_types[0] = ...`)
         # is the same object. Stock's next forward reads the new type (here it raises: no sliding rope was built)
@@ -536,7 +537,7 @@ class _Spy(LogitsProcessor):
 
 
 class AssistantDrafts(_Case):
-    @unittest.expectedFailure  # hole: R2, fix pending
+    # hole R2, fixed: staleness.ModelGraphs compares each tensor's shape and stride (torch's tensor guard)
     def test_a_draft_weight_transposed_through_data_between_calls_drafts_as_in_stock(self):
         # hole R2 in the assistant: the draft's candidates (seen by a logits processor) come from the old geometry
         def setup(model):

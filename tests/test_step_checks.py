@@ -18,7 +18,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility, forward
+from transformers_async_stop.graphs.piecewise import eligibility, forward, staleness
 from transformers_async_stop.testing.emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
@@ -30,7 +30,7 @@ class WatchedNamesStale(unittest.TestCase):
 
     def setUp(self):
         self.model = build("llama").eval()
-        self.graphs = forward.ModelGraphs()
+        self.graphs = staleness.ModelGraphs()
         self.graphs.snapshot(self.model)
 
     def _kinds(self):
@@ -58,6 +58,78 @@ class WatchedNamesStale(unittest.TestCase):
                 with patch:
                     self.assertTrue(self.graphs.changed())
                 self.assertFalse(self.graphs.changed())
+
+
+class GeometryOnTheSameStorage(unittest.TestCase):
+    """Red team hole R2: a tensor given another shape, stride or dtype on the same storage (`.data =` keeps the
+    address) is stale; with torch's tensor guard and with the maps that stand in for it."""
+
+    def _graphs(self):
+        model = build("llama").eval()
+        # `.data =` of an integer view needs a tensor without gradients (and the guard compares requires_grad too)
+        model.model.layers[0].self_attn.o_proj.weight.requires_grad_(False)
+        graphs = staleness.ModelGraphs()
+        graphs.snapshot(model)
+        return model, graphs
+
+    def _each_way(self, check):
+        for guard in (True, False):
+            with self.subTest(guard=guard), mock.patch.object(
+                    staleness, "_TensorGuards", staleness._TensorGuards if guard else None):
+                model, graphs = self._graphs()
+                self.assertIs(graphs.guards is not None, guard and staleness._TensorGuards is not None)
+                check(model, graphs)
+
+    def test_a_weight_trimmed_transposed_or_viewed_as_another_dtype_is_stale(self):
+        def check(model, graphs):
+            self.assertFalse(graphs.changed())
+            for name, edit in (("trimmed", lambda w: w[:-1]), ("transposed", lambda w: w.t()),
+                               ("reinterpreted", lambda w: w.view(torch.int32))):
+                weight = model.model.layers[0].self_attn.o_proj.weight  # square (hidden x hidden)
+                self.assertEqual(weight.shape[0], weight.shape[1])
+                before = weight.data
+                weight.data = edit(before)
+                self.assertEqual(weight.data_ptr(), before.data_ptr())
+                self.assertTrue(graphs.changed(), name)
+                weight.data = before
+                self.assertFalse(graphs.changed(), name)
+
+        self._each_way(check)
+
+    def test_inference_mode_alone_is_not_a_change(self):
+        def check(model, graphs):
+            with torch.inference_mode():
+                self.assertFalse(graphs.changed())
+            with torch.no_grad():
+                self.assertFalse(graphs.changed())
+
+        self._each_way(check)
+
+
+class ContainersEditedInPlace(unittest.TestCase):
+    """Red team hole R10: a config's list or dict edited in place is the same object; its contents are compared."""
+
+    def test_a_config_list_and_a_list_inside_a_config_dict_edited_in_place_are_stale(self):
+        model = build("llama").eval()
+        model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
+        model.config.extra = {"nested": [1, 2]}
+        graphs = staleness.ModelGraphs()
+        graphs.snapshot(model)
+        self.assertFalse(graphs.changed())
+        model.config.layer_types[0] = "sliding_attention"
+        self.assertTrue(graphs.changed())
+        model.config.layer_types[0] = "full_attention"
+        self.assertFalse(graphs.changed())
+        model.config.extra["nested"].append(3)
+        self.assertTrue(graphs.changed())
+
+    def test_a_container_holding_tensors_is_left_to_its_identity(self):
+        model = build("llama").eval()
+        model.config.held = [torch.ones(2)]  # `==` of tensors is elementwise: not a verdict
+        graphs = staleness.ModelGraphs()
+        graphs.snapshot(model)
+        self.assertFalse(any(value is model.config.held for value in graphs.contents))
+        self.assertFalse(graphs.changed())
 
 
 class _FalsyHooks(collections.OrderedDict):

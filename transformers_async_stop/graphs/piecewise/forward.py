@@ -1,13 +1,14 @@
-"""The per-call forward of the dynamic-cache loop that replays a model's recorded pieces, and the per-model store.
+"""The per-call forward of the dynamic-cache loop that replays a model's recorded pieces.
 
 Per step, before any replay, it checks what a replay would otherwise get wrong, and runs the eager forward (the
 model's own) where it cannot replay:
 - the step's inputs: only `input_ids` / `position_ids` (one column), the cache (`past_key_values` up to 5.23,
   `cache` from 5.24: `cache_kwarg.py`), `use_cache`, `logits_to_keep`,
   `return_dict`, and a mask whose effect on the attention is known on the host (`_attention_mask`);
-- staleness: a module, parameter or buffer replaced, or its storage moved (`.to()`, `.data =`, a dtype change), or a
-  plain attribute of a module or a config rebound (a norm's epsilon, an attention's scaling: `_attribute_entries`):
-  the model's recordings are dropped and the step records again; a hook or a wrapped forward added, training mode, an
+- staleness (`staleness.py`): a module, parameter or buffer replaced, its storage moved (`.to()`, `.data =`, a dtype
+  change) or its shape or stride changed on the same storage, a plain attribute of a module or a config rebound (a
+  norm's epsilon, an attention's scaling) or a config's list or dict edited in place: the model's recordings are
+  dropped and the step records again; a hook or a wrapped forward added, training mode, an
   attention implementation other than SDPA: the rest of the call runs eagerly;
 - threads: while another thread is inside `generate()`, the step runs eagerly (the graphs and their buffers serve one
   forward at a time);
@@ -17,8 +18,7 @@ model's own) where it cannot replay:
   kernel was chosen under: `settings.py`): a new key records once (at most `MAX_KEYS` per model, least recently used out).
 A family whose base forward starts with `warn_if_padding_and_no_attention_mask` (GPT-2: without a mask it checks the
 step's ids for the pad token and warns once) has that check run before each replay, as its forward runs it.
-Recordings are kept per model in a `WeakKeyDictionary` whose values hold no reference to the model: they are freed
-with it.
+Recordings are kept per model (`staleness.graphs_of`) and freed with it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import itertools
 import operator
 import sys
 import threading
-import weakref
 
 import torch
 from transformers import masking_utils
@@ -36,152 +35,15 @@ from transformers import masking_utils
 from ...release_checks import cache_kwarg
 from ...state import concurrency
 from ...sync_free import masking
-from . import eligibility, proven, settings
-from .graphs import NotRecordable, capture_failure, record, watched_functions
+from . import eligibility, settings
+from .graphs import CaptureFailed, NotRecordable, record
+from .staleness import ModelGraphs, graphs_of  # noqa: F401 (the per-model store: `forward.graphs_of` for callers)
 
 MAX_KEYS = 4  # recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
-_STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_STORE_LOCK = threading.Lock()
 _TRAINING = operator.attrgetter("training")
-# the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
-_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _PLAIN_TABLES = (dict, collections.OrderedDict)
+# the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
-
-
-class ModelGraphs:
-    """One model's recordings, and the state of the model they were made from (no reference to the model itself)."""
-
-    def __init__(self):
-        self.recordings: collections.OrderedDict = collections.OrderedDict()
-        self.failed: dict = {}  # key -> why its recording failed (not tried again while the model is unchanged)
-        self.entries: list = []  # (owner dict, name, object): every submodule, parameter and buffer as recorded
-        self.functions: list = []  # (namespace, name, object): the torch names the replayed Python looks up
-        self._functions: list = []  # `functions` by their namespace's type: (its `get`, three lists)
-        self._columns: tuple = ([], [], [])  # `entries` as three lists
-        self.modules: list = []  # every module of the model as recorded, and its class (`module.__class__ = X`)
-        self.classes: list = []
-        self.tensors: list = []
-        self.pointers: list = []
-        self.lists: list = []  # the children tables of the model's ModuleLists, and their lengths as recorded
-        self.lengths: list = []
-        self.dicts: list = []  # every module's `__dict__`, and its size as recorded
-        self.sizes: list = []
-        self.pool = None
-
-    def clear(self) -> None:
-        self.recordings.clear()
-        self.failed.clear()
-        self.functions, self._functions = [], []
-        self.entries, self.tensors, self.pointers = [], [], []
-        self._columns = ([], [], [])
-        self.modules, self.classes = [], []
-        self.lists, self.lengths = [], []
-        self.dicts, self.sizes = [], []
-        self.pool = None
-
-    def snapshot(self, model) -> None:
-        entries, tensors = [], []
-        self.modules = list(model.modules())
-        self.classes = list(map(type, self.modules))
-        for module in self.modules:
-            for name, child in module._modules.items():
-                entries.append((module._modules, name, child))
-            for table in (module._parameters, module._buffers):
-                for name, tensor in table.items():
-                    entries.append((table, name, tensor))
-                    if tensor is not None:
-                        tensors.append(tensor)
-            # `module.compile()` (a criterion's, mid-call) sets this private field: stock's next call of the module
-            # runs the compiled code, which the recording never ran (proven.py refuses a compiled module)
-            entries.append((module.__dict__, "_compiled_call_impl", module.__dict__.get("_compiled_call_impl")))
-            # the hook tables as objects: the per-step check reads the tables it found (`PiecewiseForward._watch`), so
-            # one replaced by another (`m._forward_hooks = OrderedDict(...)`) would go unseen
-            entries += [(module.__dict__, name, module.__dict__.get(name)) for name in _HOOK_TABLES]
-        attributes = _attribute_entries(model)
-        entries += attributes
-        # a tensor held as a plain attribute (a weight swapped in with `del m.weight; m.weight = t`) is read by the
-        # replay at its recorded address, as a parameter is: `t.data = x` keeps the object and moves its storage
-        tensors += [value for _, _, value in attributes if type(value) in (torch.Tensor, torch.nn.Parameter)]
-        self.entries, self.tensors = entries, tensors
-        # a module appended to a ModuleList (GPT-2's forward runs every block of `self.h`) adds a key, which the
-        # entries above (the children as recorded) cannot show
-        self.lists = [module._modules for module in self.modules if type(module) is torch.nn.ModuleList]
-        self.lengths = list(map(len, self.lists))
-        # an attribute added to a module's `__dict__` (red team holes R5b, R14b: an instance function shadowing a
-        # method, an unregistered module shadowing a child, set mid-call): the model is proven again
-        self.dicts = [module.__dict__ for module in self.modules]
-        self.sizes = list(map(len, self.dicts))
-        base = eligibility.base_of(model)
-        # the torch names the replayed Python looks up, and torch's module internals every module call runs
-        # (`Module._call_impl`, `__getattr__`...: rebound mid-call, stock's later steps run the new code)
-        self.functions = watched_functions(model, sys.modules[type(base).__module__]) + proven.torch_internals(
-            self.classes)
-        self._columns = _columns(entries)
-        # a module's dict or a class's (a mappingproxy): each kind's own `get`, mapped from C
-        kinds: dict = {}
-        for entry in self.functions:
-            kinds.setdefault(type(entry[0]), []).append(entry)
-        self._functions = [(kind.get, *_columns(group)) for kind, group in kinds.items()]
-        self.pointers = [tensor.data_ptr() for tensor in tensors]
-
-
-    def changed(self) -> bool:
-        # checked before every replay: C-level maps over the flat lists (a few microseconds for a 1B model)
-        tables, names, values = self._columns
-        if any(map(operator.is_not, map(dict.get, tables, names), values)):
-            return True
-        for get, tables, names, values in self._functions:
-            if any(map(operator.is_not, map(get, tables, names), values)):
-                return True
-        if list(map(type, self.modules)) != self.classes:
-            return True  # a class swapped under the recording (`module.__class__ = Subclass`)
-        if list(map(len, self.lists)) != self.lengths:
-            return True  # a module added to a ModuleList
-        if list(map(len, self.dicts)) != self.sizes:
-            return True  # an attribute added to a module
-        return list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers
-
-
-def _columns(entries) -> tuple:
-    """(dict, name, value) triples as three lists, for the per-step C-level maps."""
-    return tuple(map(list, zip(*entries))) if entries else ([], [], [])
-
-
-def _attribute_entries(model) -> list:
-    """(dict, name, value) for every plain attribute a forward may read and a replay has baked in: each module's own
-    (a norm's epsilon, an attention's scaling, the rotary embedding's attention scaling; torch's private fields, named
-    with "_", excluded) and every field of the configs the modules hold (`self.config.num_hidden_layers`...). User
-    code that rebinds one, between calls or from a criterion mid-call, makes the recordings stale, as stock reads the
-    new value at its next forward. Compared by identity: a rebinding to an equal value only records again."""
-    entries, configs, seen = [], {}, set()
-    for module in model.modules():
-        table = module.__dict__
-        for name, value in table.items():
-            if not name.startswith("_"):
-                entries.append((table, name, value))
-        config = table.get("config")
-        if config is not None and hasattr(config, "__dict__"):
-            configs[id(config)] = config
-    while configs:  # the configs, and the sub-configs they hold (a text config)
-        key, config = configs.popitem()
-        if key in seen:
-            continue
-        seen.add(key)
-        table = config.__dict__
-        for name, value in table.items():
-            entries.append((table, name, value))
-            if type(value).__module__.startswith("transformers") and hasattr(value, "to_dict"):
-                configs[id(value)] = value
-    return entries
-
-
-def graphs_of(model) -> ModelGraphs:
-    with _STORE_LOCK:
-        graphs = _STORE.get(model)
-        if graphs is None:
-            graphs = _STORE[model] = ModelGraphs()
-        return graphs
 
 
 class PiecewiseForward:
@@ -279,11 +141,10 @@ class PiecewiseForward:
         except NotRecordable as error:
             graphs.failed[key] = f"not recordable: {error}"
             return self._eager(graphs.failed[key], inputs)
-        except Exception as error:
-            if not capture_failure(error):
-                raise  # the model's or the user's exception: stock's forward raises it here too
-            # a capture the device refused (a host read inside the forward, say)
-            graphs.failed[key] = f"capture failed ({type(error).__name__}: {error})"
+        except CaptureFailed as error:
+            # a capture the device refused (a host read inside the forward, say); any other exception is the model's
+            # or the user's, which `record` lets through: stock's forward raises it here too
+            graphs.failed[key] = f"capture failed ({error})"
             return self._eager(graphs.failed[key], inputs)
         if made is None:
             return self._eager("another thread is inside generate()", inputs)

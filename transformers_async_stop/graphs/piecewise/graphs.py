@@ -38,10 +38,17 @@ from ..backend import backend_for
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)
 _SCALARS = (bool, int, float, str, type(None))
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class NotRecordable(Exception):
     """The forward did something a replay could not reproduce; the reason is the message."""
+
+
+class CaptureFailed(Exception):
+    """`record`'s own failure other than `NotRecordable` (the device refused the capture, or its pool ran out of
+    memory): the cache is as it was before the step, which runs again eagerly. The message names the error, its
+    cause."""
 
 
 class Recording:
@@ -126,6 +133,7 @@ class _Recorder:
         self.graph = None  # the piece under capture
         self.pending = None  # (layer_idx, k, v, keys, values) between an update and its attention
         self.saved = []  # (layer, keys, values) before this step's update: restored if the recording fails
+        self.raised = None  # an exception of the code the recording runs eagerly, as stock runs it (`_eager`)
 
     def expected_module(self):
         index = len(self.rec.layers)
@@ -159,7 +167,7 @@ class _Recorder:
             self.saved.append((layer, getattr(layer, "keys", None), getattr(layer, "values", None),
                                getattr(layer, "is_initialized", True)))
         with self.backend.stream(self.main):
-            keys, values = type(self.cache).update(self.cache, key_states, value_states, layer_idx)
+            keys, values = self._eager(type(self.cache).update, self.cache, key_states, value_states, layer_idx)
         self.pending = (layer_idx, key_states, value_states, keys, values)
         return keys, values
 
@@ -182,7 +190,7 @@ class _Recorder:
             else:
                 raise NotRecordable(f"the attention's argument {name!r} is a {type(value).__name__}")
         with self.backend.stream(self.main):
-            output, weights = original(module, query, keys, values, self.real_mask, **kwargs)
+            output, weights = self._eager(original, module, query, keys, values, self.real_mask, **kwargs)
             if weights is not None:
                 raise NotRecordable("the attention returns weights")
             buffer = torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
@@ -192,6 +200,28 @@ class _Recorder:
         self.begin()
         return buffer, None
 
+    def _eager(self, function, *args, **kwargs):
+        """`function` run outside any capture, as stock runs it (the real cache update, the attention function
+        registered for "sdpa", a user's maybe): what it raises is its own, whatever its message says (red team hole
+        R12: "could not capture ..." from a user's attention), and reaches the caller as stock's raises it."""
+        try:
+            return function(*args, **kwargs)
+        except BaseException as error:
+            # out of memory stays the recording's (`capture_failure`): its pool holds memory stock's forward has free
+            if not isinstance(error, _OUT_OF_MEMORY):
+                self.raised = error
+            raise
+
+    def raised_by_eager_code(self, error: BaseException) -> bool:
+        """`error` is, or was raised while handling or from, an exception of the code run eagerly (`_eager`)."""
+        seen = set()
+        while error is not None and id(error) not in seen:
+            if error is self.raised:
+                return True
+            seen.add(id(error))
+            error = error.__cause__ or error.__context__
+        return False
+
     def restore_cache(self) -> None:
         """The cache as it was before this step (a failed recording's step runs again eagerly)."""
         for layer, keys, values, initialized in reversed(self.saved):
@@ -200,8 +230,9 @@ class _Recorder:
 
 
 def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: str, pool):
-    """Record the decode forward for `inputs`; (Recording, this step's outputs). Raises `NotRecordable` (nothing of
-    this step done: the cache is as it was) or what the forward raised; returns None when another thread is inside
+    """Record the decode forward for `inputs`; (Recording, this step's outputs). Raises `NotRecordable` or
+    `CaptureFailed` (nothing of this step done: the cache is as it was; `capture_failure`), or what the forward
+    raised otherwise; returns None when another thread is inside
     generate() (a capture is not private then: `concurrency.py`)."""
     import time
 
@@ -234,11 +265,14 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
             if recorder.graph is not None:
                 backend.heal(recorder.graph, stream)
             main.wait_stream(stream)
-            if capture_failure(error):
-                recorder.restore_cache()  # the step runs again eagerly (`forward.PiecewiseForward._record`)
-            # else the model's or the user's own exception (or a KeyboardInterrupt): it reaches the caller, with
-            # the cache as stock's forward leaves it (the layers updated before the raise keep their update)
-            raise
+            if recorder.raised_by_eager_code(error) or not capture_failure(error):
+                # the model's or the user's own exception (or a KeyboardInterrupt): it reaches the caller, with the
+                # cache as stock's forward leaves it (the layers updated before the raise keep their update)
+                raise
+            recorder.restore_cache()  # the step runs again eagerly (`forward.PiecewiseForward._record`)
+            if isinstance(error, NotRecordable):
+                raise
+            raise CaptureFailed(f"{type(error).__name__}: {error}") from error
         finally:
             del cache.update
             _ACTIVE.reset(token)
@@ -285,7 +319,7 @@ def watched_functions(model, module) -> list:
     the names in the code of each module class's own `forward` / `__call__` (the model's, and torch's own modules')
     and of the modeling module's functions they call (`module`'s functions). A name rebound in `torch`,
     `torch.nn.functional`... or set on `torch.Tensor` after the recording makes it stale
-    (`forward.ModelGraphs.changed`). A pass over the code objects, not a trace of the recording: a function mode or
+    (`staleness.ModelGraphs.changed`). A pass over the code objects, not a trace of the recording: a function mode or
     profiler active while recording would change what torch calls (a `TorchFunctionMode` makes `F.silu` look its own
     name up again)."""
     codes: set = set()
@@ -320,15 +354,17 @@ _TENSOR_OPERATORS = tuple(f"__{op}__" for op in (
 
 
 def capture_failure(error: BaseException) -> bool:
-    """Whether `error` is the recording's own failure: the forward did something a graph cannot hold (a host read
-    or a data-dependent shape invalidates a CUDA capture: "operation not permitted when stream is capturing", and
-    the emulation says "not permitted while capturing"), the capture ran out of its pool's memory, or the recording
-    refused the forward (`NotRecordable`). The step then runs again eagerly, as stock runs it. Any other exception is
-    one the model's or the user's code raised while it ran: stock raises it too, at this very point, so it is
-    raised, not retried (a retry would run that code twice and could return where stock raises)."""
+    """Whether `error`, raised while a piece was under capture (not by the code `_Recorder._eager` runs between the
+    pieces: that is stock's code and the user's, whose errors are theirs whatever they say), is the recording's own
+    failure: the forward did something a graph cannot hold (a host read or a data-dependent shape invalidates a CUDA
+    capture: "operation not permitted when stream is capturing", and the emulation says "not permitted while
+    capturing"), the capture ran out of its pool's memory, or the recording refused the forward (`NotRecordable`).
+    The step then runs again eagerly, as stock runs it. Any other exception is one the model's code raised while it
+    ran: stock raises it too, at this very point, so it is raised, not retried (a retry would run that code twice and
+    could return where stock raises)."""
     if isinstance(error, NotRecordable):
         return True
-    if isinstance(error, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
+    if isinstance(error, _OUT_OF_MEMORY):
         return True  # the eager retry allocates as stock does, and raises there if stock would
     return isinstance(error, RuntimeError) and "captur" in str(error).lower()
 

@@ -1,0 +1,233 @@
+"""What a model's recordings were made from, compared before every replay (`ModelGraphs.changed`), and the per-model
+store of recordings (`graphs_of`).
+
+A replay repeats what its recording's one run of the forward's Python read: the modules and their classes, every
+parameter and buffer (its object, its storage's address, its shape, stride and dtype), the plain attributes of the
+modules and of the configs they hold (containers by their contents), the torch names the forward looks up, the
+ModuleLists' lengths and the modules' `__dict__` sizes. Any of these changed since the recording (between calls, or by
+user code mid-call) makes every recording of the model stale: `forward.PiecewiseForward` drops them, proves the model
+again and records anew, as stock's next forward reads the new state. Each comparison is one C-level map over flat
+lists made at the snapshot (a few tens of microseconds a step for a 1B model).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import operator
+import sys
+import threading
+import weakref
+
+import torch
+
+from . import eligibility, proven
+from .graphs import watched_functions
+
+_STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STORE_LOCK = threading.Lock()
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_ATOMS = (str, int, float, bool, bytes, type(None))
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+# the fallback's geometry (`_guard` without torch's tensor guard): shape and dtype in one C-level getter, stride apart
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+
+try:
+    # torch's C++ tensor check (dynamo's guards): dtype, device, requires_grad, dispatch keys, and the sizes and
+    # strides given, of a list of tensors in one C call (about one `data_ptr` map: the two maps of shapes and strides
+    # it replaces cost twice that); private, so a torch without it keeps the maps
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover (torch builds without dynamo)
+    _TensorGuards = None
+
+
+class ModelGraphs:
+    """One model's recordings, and the state of the model they were made from (no reference to the model itself)."""
+
+    def __init__(self):
+        self.recordings: collections.OrderedDict = collections.OrderedDict()
+        self.failed: dict = {}  # key -> why its recording failed (not tried again while the model is unchanged)
+        self.pool = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.entries: list = []  # (owner dict, name, object): every submodule, parameter and buffer as recorded
+        self.functions: list = []  # (namespace, name, object): the torch names the replayed Python looks up
+        self._functions: list = []  # `functions` by their namespace's type: (its `get`, three lists)
+        self._columns: tuple = ([], [], [])  # `entries` as three lists
+        self.modules: list = []  # every module of the model as recorded, and its class (`module.__class__ = X`)
+        self.classes: list = []
+        self.tensors: list = []  # every parameter and buffer (and tensor attribute), and its storage's address
+        self.pointers: list = []
+        self.shapes: list = []  # (shape, dtype) and stride of each, as recorded (`guards` compares them in one call)
+        self.strides: list = []
+        self.guards = None  # inference mode on -> torch's tensor guard over `tensors`, or None (the maps compare)
+        self.lists: list = []  # the children tables of the model's ModuleLists, and their lengths as recorded
+        self.lengths: list = []
+        self.dicts: list = []  # every module's `__dict__`, and its size as recorded
+        self.sizes: list = []
+        self.contents: list = []  # the list/tuple/dict/set attributes of modules and configs, and deep copies
+        self.copies: list = []
+
+    def clear(self) -> None:
+        self.recordings.clear()
+        self.failed.clear()
+        self.pool = None
+        self._reset()
+
+    def snapshot(self, model) -> None:
+        entries, tensors = [], []
+        self.modules = list(model.modules())
+        self.classes = list(map(type, self.modules))
+        for module in self.modules:
+            for name, child in module._modules.items():
+                entries.append((module._modules, name, child))
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    entries.append((table, name, tensor))
+                    if tensor is not None:
+                        tensors.append(tensor)
+            # `module.compile()` (a criterion's, mid-call) sets this private field: stock's next call of the module
+            # runs the compiled code, which the recording never ran (proven.py refuses a compiled module)
+            entries.append((module.__dict__, "_compiled_call_impl", module.__dict__.get("_compiled_call_impl")))
+            # the hook tables as objects: the per-step check reads the tables it found (`PiecewiseForward._watch`), so
+            # one replaced by another (`m._forward_hooks = OrderedDict(...)`) would go unseen
+            entries += [(module.__dict__, name, module.__dict__.get(name)) for name in _HOOK_TABLES]
+        attributes = _attribute_entries(model)
+        entries += attributes
+        # a tensor held as a plain attribute (a weight swapped in with `del m.weight; m.weight = t`) is read by the
+        # replay at its recorded address, as a parameter is: `t.data = x` keeps the object and moves its storage
+        tensors += [value for _, _, value in attributes if type(value) in _TENSORS]
+        self.entries, self.tensors = entries, tensors
+        # a container edited in place (`config.layer_types[0] = ...`, red team hole R10) is the same object: its
+        # contents are compared, with a deep copy (a list inside a dict), where they are plain values (`==` of
+        # anything else, a tensor, may not say equal, or may raise)
+        self.contents = [value for _, _, value in attributes if type(value) in _CONTAINERS and _plain(value)]
+        self.copies = copy.deepcopy(self.contents)
+        # a module appended to a ModuleList (GPT-2's forward runs every block of `self.h`) adds a key, which the
+        # entries above (the children as recorded) cannot show
+        self.lists = [module._modules for module in self.modules if type(module) is torch.nn.ModuleList]
+        self.lengths = list(map(len, self.lists))
+        # an attribute added to a module's `__dict__` (red team holes R5b, R14b: an instance function shadowing a
+        # method, an unregistered module shadowing a child, set mid-call): the model is proven again
+        self.dicts = [module.__dict__ for module in self.modules]
+        self.sizes = list(map(len, self.dicts))
+        base = eligibility.base_of(model)
+        # the torch names the replayed Python looks up, and torch's module internals every module call runs
+        # (`Module._call_impl`, `__getattr__`...: rebound mid-call, stock's later steps run the new code)
+        self.functions = watched_functions(model, sys.modules[type(base).__module__]) + proven.torch_internals(
+            self.classes)
+        self._columns = _columns(entries)
+        # a module's dict or a class's (a mappingproxy): each kind's own `get`, mapped from C
+        kinds: dict = {}
+        for entry in self.functions:
+            kinds.setdefault(type(entry[0]), []).append(entry)
+        self._functions = [(kind.get, *_columns(group)) for kind, group in kinds.items()]
+        # a storage moved (`.to()`, `.data =` to new memory) changes the address a replay reads; a geometry changed on
+        # the same storage (`w.data = w.data[:32]`, `w.data = w.data.t()` on a square weight: red team hole R2) keeps
+        # it, and the replay would keep the recorded shape and stride
+        self.pointers = list(map(torch.Tensor.data_ptr, tensors))
+        self.shapes = list(map(_SHAPE_DTYPE, tensors))
+        self.strides = list(map(torch.Tensor.stride, tensors))
+        self.guards = _guard(tensors, self.shapes, self.strides)
+
+    def changed(self) -> bool:
+        # checked before every replay: C-level maps over the flat lists (a few tens of microseconds for a 1B model)
+        tables, names, values = self._columns
+        if any(map(operator.is_not, map(dict.get, tables, names), values)):
+            return True
+        for get, tables, names, values in self._functions:
+            if any(map(operator.is_not, map(get, tables, names), values)):
+                return True
+        if list(map(type, self.modules)) != self.classes:
+            return True  # a class swapped under the recording (`module.__class__ = Subclass`)
+        if list(map(len, self.lists)) != self.lengths:
+            return True  # a module added to a ModuleList
+        if list(map(len, self.dicts)) != self.sizes:
+            return True  # an attribute added to a module
+        if self.contents != self.copies:
+            return True  # a config's list or dict edited in place
+        tensors = self.tensors
+        if list(map(torch.Tensor.data_ptr, tensors)) != self.pointers:
+            return True
+        guards = self.guards
+        if guards is not None:
+            # the guard made under the running inference mode (its dispatch keys are part of what it compares)
+            return not guards[torch.is_inference_mode_enabled()].check(*tensors)
+        return list(map(_SHAPE_DTYPE, tensors)) != self.shapes or list(map(torch.Tensor.stride, tensors)) != self.strides
+
+
+def _guard(tensors, shapes, strides):
+    """{inference mode on: torch's `TensorGuards` over `tensors`, made under that mode}, each checked to pass now; None
+    where torch has none or it does not take these tensors (`ModelGraphs.changed` then maps shapes and strides). Its
+    dtype, device, requires_grad and dispatch-key comparisons are stricter than needed: such a change records again."""
+    if _TensorGuards is None:
+        return None
+    sizes = [list(shape) for shape, _ in shapes]
+    strides = list(map(list, strides))
+    guards = {}
+    try:
+        for inference in (False, True):
+            with torch.inference_mode(inference):
+                guard = _TensorGuards(*tensors, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+                if guard.check(*tensors) is not True:
+                    return None
+            guards[inference] = guard
+    except Exception:  # noqa: BLE001 (a private API: another torch's signature keeps the maps)
+        return None
+    return guards
+
+
+def _plain(value) -> bool:
+    """`value` holds only strings, numbers, booleans, None and containers of those (compared by `==`)."""
+    if type(value) in _ATOMS:
+        return True
+    if type(value) in (list, tuple, set, frozenset):
+        return all(map(_plain, value))
+    if type(value) is dict:
+        return all(map(_plain, value)) and all(map(_plain, value.values()))
+    return False
+
+
+def _columns(entries) -> tuple:
+    """(dict, name, value) triples as three lists, for the per-step C-level maps."""
+    return tuple(map(list, zip(*entries))) if entries else ([], [], [])
+
+
+def _attribute_entries(model) -> list:
+    """(dict, name, value) for every plain attribute a forward may read and a replay has baked in: each module's own
+    (a norm's epsilon, an attention's scaling, the rotary embedding's attention scaling; torch's private fields, named
+    with "_", excluded) and every field of the configs the modules hold (`self.config.num_hidden_layers`...). User
+    code that rebinds one, between calls or from a criterion mid-call, makes the recordings stale, as stock reads the
+    new value at its next forward. Compared by identity (a rebinding to an equal value only records again), and
+    containers also by their contents (`ModelGraphs.contents`)."""
+    entries, configs, seen = [], {}, set()
+    for module in model.modules():
+        table = module.__dict__
+        for name, value in table.items():
+            if not name.startswith("_"):
+                entries.append((table, name, value))
+        config = table.get("config")
+        if config is not None and hasattr(config, "__dict__"):
+            configs[id(config)] = config
+    while configs:  # the configs, and the sub-configs they hold (a text config)
+        key, config = configs.popitem()
+        if key in seen:
+            continue
+        seen.add(key)
+        table = config.__dict__
+        for name, value in table.items():
+            entries.append((table, name, value))
+            if type(value).__module__.startswith("transformers") and hasattr(value, "to_dict"):
+                configs[id(value)] = value
+    return entries
+
+
+def graphs_of(model) -> ModelGraphs:
+    """The model's recordings, kept in a `WeakKeyDictionary` whose values hold no reference to it: freed with it."""
+    with _STORE_LOCK:
+        graphs = _STORE.get(model)
+        if graphs is None:
+            graphs = _STORE[model] = ModelGraphs()
+        return graphs
