@@ -96,6 +96,23 @@ class GeometryOnTheSameStorage(unittest.TestCase):
 
         self._each_way(check)
 
+    @unittest.skipIf(staleness._TensorGuards is None, "a torch without its C++ tensor guard")
+    def test_tied_weights_keep_the_guard(self):
+        # the embedding's weight is the LM head's: listed once (the guard refuses a tensor given twice, and the maps
+        # would then stand in for it, at three times its cost)
+        model = build("llama").eval()
+        model.lm_head.weight = model.model.embed_tokens.weight
+        graphs = staleness.ModelGraphs()
+        graphs.snapshot(model)
+        self.assertIsNotNone(graphs.guards)
+        self.assertFalse(graphs.changed())
+        weight = model.lm_head.weight
+        before = weight.data
+        weight.data = before[:-1]
+        self.assertTrue(graphs.changed())
+        weight.data = before
+        self.assertFalse(graphs.changed())
+
     def test_inference_mode_alone_is_not_a_change(self):
         def check(model, graphs):
             with torch.inference_mode():

@@ -99,6 +99,8 @@ class ModelGraphs:
         # a tensor held as a plain attribute (a weight swapped in with `del m.weight; m.weight = t`) is read by the
         # replay at its recorded address, as a parameter is: `t.data = x` keeps the object and moves its storage
         tensors += [value for _, _, value in attributes if type(value) in _TENSORS]
+        # each once (tied weights: the embedding's is the LM head's; torch's tensor guard refuses a tensor twice)
+        tensors = list({id(tensor): tensor for tensor in tensors}.values())
         self.entries, self.tensors = entries, tensors
         # a container edited in place (`config.layer_types[0] = ...`, red team hole R10) is the same object: its
         # contents are compared, with a deep copy (a list inside a dict), where they are plain values (`==` of
