@@ -21,7 +21,7 @@ torch's own objects too (`why_foreign_functions`): one rebound before the first 
 if it were torch's.
 
 What the forward reads from the state of proven modules (their attributes, the configs, parameters and buffers, the
-class of every module) is compared before every replay (`forward.ModelGraphs.changed`); what a setting of torch's
+class of every module) is compared before every replay (`staleness.ModelGraphs.changed`); what a setting of torch's
 decides is part of the recording key (`settings.py`).
 """
 
@@ -168,7 +168,7 @@ def _transformers_code(function) -> bool:
 
 def torch_internals(classes) -> list:
     """(class table, name, object) for torch's module internals (`_MODULE_INTERNALS`) of `torch.nn.Module` and of the
-    torch classes among `classes`, as they are now: compared before each replay (`forward.ModelGraphs.changed`), as
+    torch classes among `classes`, as they are now: compared before each replay (`staleness.ModelGraphs.changed`), as
     `why_unread` proves them only before a recording (a criterion rebinding `Module._call_impl` mid-call)."""
     owners = [torch.nn.Module, *(cls for cls in set(classes) if cls in TORCH_MODULES)]
     return [(vars(owner), attr, vars(owner).get(attr)) for owner in owners for attr in _MODULE_INTERNALS]

@@ -156,7 +156,10 @@ class ModelGraphs:
         guards = self.guards
         if guards is not None:
             # the guard made under the running inference mode (its dispatch keys are part of what it compares)
-            return not guards[torch.is_inference_mode_enabled()].check(*tensors)
+            try:
+                return not guards[torch.is_inference_mode_enabled()].check(*tensors)
+            except Exception:  # noqa: BLE001 (a private API: whatever it cannot check, the maps below compare)
+                self.guards = None
         return list(map(_SHAPE_DTYPE, tensors)) != self.shapes or list(map(torch.Tensor.stride, tensors)) != self.strides
 
 
