@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import transformers_async_stop as tas  # noqa: E402
-from transformers_async_stop.graphs.piecewise import forward, quiet, settings  # noqa: E402
+from transformers_async_stop.graphs.piecewise import forward, settings  # noqa: E402
 from transformers_async_stop.testing.emulation import emulated  # noqa: E402
 from transformers_async_stop.undo import module_state  # noqa: E402
 
@@ -48,9 +48,6 @@ CHECKS = (
     ("  of which settings.read", settings, "read"),
     ("ModelGraphs.changed", forward.ModelGraphs, "changed"),
     ("HookWatch.hooked", module_state.HookWatch, "hooked"),
-    # whether the step may skip `_why_not_observed` and `changed` (`quiet.py`): once per step; the two rows above it
-    # then show fewer calls per step
-    ("Quiet.still", quiet.Quiet, "still"),
 )
 TOTALS: dict = {}
 LAST: dict = {}  # label -> (function, args, kwargs) of its last call in the run

@@ -16,7 +16,6 @@ it captured, so every value is the eager forward's.
   recording key);
 - `staleness.py`: the per-model store of recordings (freed with the model) and the snapshot of the model they were
   made from, compared before each replay;
-- `quiet.py`: when a step may skip those comparisons (only code the package has read ran since the last one);
 - `proven.py`, `settings.py`: the default-deny proof of every module and function the recording runs, and the torch
   settings that are part of a recording's key.
 
@@ -36,17 +35,14 @@ __all__ = ["PIECEWISE_ENV", "forward_for"]
 DRAFT_ON = True
 
 
-def forward_for(model, model_forward, generation_config, read_only=False):
+def forward_for(model, model_forward, generation_config):
     """The forward the dynamic-cache loop calls for its decode steps, or None where it keeps `model_forward` (the
     reason goes to `last_path().forward`).
 
     An assistant's draft loop inside a deferred assisted call (`assisted/draft.py`) takes it too: each draft step is
     a one-token decode forward of the assistant with its `DynamicCache`, at batch 1 (assisted decoding's only batch;
     any other steps aside per step). The draft reports nothing of its own, so its forward is told in the assisted
-    call's `last_path().forward`, prefixed "draft " (the last round's count of replayed steps).
-
-    `read_only`: only code the package has read runs between the call's decode steps (`quiet.between_steps_read`,
-    and no streamer): a step may skip the staleness checks the previous step's vouch for (`quiet.Quiet`)."""
+    call's `last_path().forward`, prefixed "draft " (the last round's count of replayed steps)."""
     draft = bool(getattr(generation_config, "is_assistant", False))
     if draft and not DRAFT_ON:
         return None
@@ -57,4 +53,4 @@ def forward_for(model, model_forward, generation_config, read_only=False):
         if report is not None:
             report.forward = f"{label}eager: {why}"
         return None
-    return PiecewiseForward(model, model_forward, report, draft=draft, read_only=read_only)
+    return PiecewiseForward(model, model_forward, report, draft=draft)

@@ -316,4 +316,10 @@ def why_not_cache(cache) -> str | None:
         return "cache layers other than DynamicLayer"
     if "update" in cache.__dict__:
         return "a cache with its own update"
+    # each replay calls the cache's and its layers' `update` eagerly, between the pieces: user code there (patched on
+    # the class, or set on a layer) could change what the rest of the step reads (red team Q6)
+    if not (proven.transformers_own(DynamicCache.update) and proven.transformers_own(DynamicLayer.update)):
+        return "a cache update that is not transformers' own"
+    if any("update" in layer.__dict__ for layer in cache.layers):
+        return "a cache layer with its own update"
     return None

@@ -35,7 +35,7 @@ from transformers import masking_utils
 from ...release_checks import cache_kwarg
 from ...state import concurrency
 from ...sync_free import masking
-from . import eligibility, quiet, settings
+from . import eligibility, proven, settings
 from .graphs import CaptureFailed, NotRecordable, record
 from .staleness import ModelGraphs, graphs_of  # noqa: F401 (the per-model store: `forward.graphs_of` for callers)
 
@@ -49,12 +49,9 @@ _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache",
 class PiecewiseForward:
     """`model_forward` for one call of the dynamic-cache loop (see the module docstring)."""
 
-    def __init__(self, model, model_forward, report, draft=False, read_only=False):
+    def __init__(self, model, model_forward, report, draft=False):
         self.model, self.eager, self.report = model, model_forward, report
         self.draft = draft  # an assistant's draft loop: batch 1 only, reported with a "draft " prefix
-        # only code the package has read runs between this call's steps (`quiet.py`): a step that follows a replayed
-        # one with nothing else run in between skips the staleness checks the previous step's vouch for
-        self.quiet = quiet.Quiet(read_only)
         self.graphs = graphs_of(model)
         self.family = eligibility.family_of(model)
         self._watch()
@@ -87,8 +84,10 @@ class PiecewiseForward:
         self.embeddings = model.get_input_embeddings()
 
     def __call__(self, **inputs):
-        still = self.quiet.still()
-        if self.off is None and not still:
+        # every step compares the model with its recordings' snapshot in full: user code can run between two steps
+        # from places the call's processors and criteria do not show (a rebound torch function they call, a value of
+        # a user type they hold, a finalizer, another thread; tests/test_changes_between_steps_seen.py)
+        if self.off is None:
             why = self._why_not_observed()
             if why is not None:
                 self.off = why
@@ -106,7 +105,7 @@ class PiecewiseForward:
             # a replay skips the forward's Python, and the recording's 4D sentinel mask makes it return at once
             eligibility.base_of(self.model).warn_if_padding_and_no_attention_mask(inputs["input_ids"], None)
         graphs = self.graphs
-        if graphs.recordings and not still and graphs.changed():
+        if graphs.recordings and graphs.changed():
             graphs.clear()  # weights replaced or moved, an attribute rebound: every recording of this model is stale
             # what changed may be a decision the call's eligibility made once (a config's `sliding_window` set by a
             # criterion): decided again before anything is recorded
@@ -118,17 +117,13 @@ class PiecewiseForward:
         recording = graphs.recordings.get(key)
         if recording is not None:
             graphs.recordings.move_to_end(key)
-            outputs = self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["input_ids"],
-                                                      inputs["position_ids"], mask, self._attention(), self.modules))
-            # this step's checks ran in full, or the previous step's vouched for them: nothing but read code ran since
-            self.quiet.vouch()
-            return outputs
+            return self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["input_ids"],
+                                                   inputs["position_ids"], mask, self._attention(), self.modules))
         if key in graphs.failed:
             return self._eager(graphs.failed[key], inputs)
         return self._record(key, mask, inputs)
 
     def _record(self, key, mask, inputs):
-        self.quiet.lapse()  # the eager forward's Python runs while recording: the next step checks in full
         # a recording bakes in whatever Python runs now: the model is proven again as it is at this step (a class
         # swapped or a module added since the call's start, before any recording could notice, is refused here)
         why = eligibility.why_not_model(self.model, self.eager)
@@ -170,7 +165,6 @@ class PiecewiseForward:
         return outputs
 
     def _eager(self, why, inputs):
-        self.quiet.lapse()  # the eager forward's Python (and whatever it calls) runs: the next step checks in full
         self.eager_steps += 1
         if why != self.last_eager or self.replayed:  # with replays the note counts the eager steps: kept current
             self.last_eager = why
@@ -209,6 +203,10 @@ class PiecewiseForward:
             return eligibility.why_rebound(zip(owners, names, first))
         if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
             return "the attention implementation changed"
+        if not proven.transformers_own(self._attention()):
+            # each replay calls it eagerly for every layer: user code there could change what the rest of the step
+            # reads, which the recording baked in (red team Q6)
+            return "an attention function registered for sdpa that is not transformers' own"
         if not _own_sdpa_mask():
             # stock's `create_causal_mask` calls the mask function registered for "sdpa" at every step; a replay's
             # mask is the one `_attention_mask` worked out for transformers' own

@@ -166,6 +166,25 @@ def _transformers_code(function) -> bool:
     return True
 
 
+_OWN: dict = {}  # function -> (its code object, `_transformers_code`'s verdict): asked per step
+
+
+def transformers_own(function) -> bool:
+    """`function` is transformers' own code (as `_transformers_code`), remembered per function and code object: the
+    per-step checks ask it of the cache's `update` and of the attention function registered for "sdpa", which every
+    replay calls eagerly (user code there could change what the rest of the step reads; red team Q6)."""
+    code = getattr(function, "__code__", None)
+    seen = _OWN.get(function)
+    if seen is not None and seen[0] is code:
+        return seen[1]
+    verdict = code is not None and _transformers_code(function)
+    try:
+        _OWN[function] = (code, verdict)
+    except TypeError:  # an unhashable callable
+        pass
+    return verdict
+
+
 def torch_internals(classes) -> list:
     """(class table, name, object) for torch's module internals (`_MODULE_INTERNALS`) of `torch.nn.Module` and of the
     torch classes among `classes`, as they are now: compared before each replay (`staleness.ModelGraphs.changed`), as

@@ -23,7 +23,6 @@ import os
 import torch
 
 from ...control.step_lists import _plan_criterion, is_user_criterion, plan_processors
-from ...graphs.piecewise import quiet
 from ...release_checks.verified import matches
 from ...release_checks import cache_kwarg
 from ...release_checks.input_drops import own_prepare
@@ -46,9 +45,6 @@ class DynamicPlan:
     has_eos: bool  # stock's `has_eos_stopping_criteria`: finished rows get the pad token
     scores: bool  # return the processed scores of each step
     logits: bool  # return the raw logits of each step
-    # every processor and criterion is code the package has read (`graphs/piecewise/quiet.py`): with no streamer,
-    # the graphed forward may skip its staleness checks where nothing else can have run since the last one
-    read_only: bool = False
 
 
 def plan_loop(model, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs):
@@ -93,7 +89,6 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
         do_sample=bool(generation_config.do_sample),
         has_eos=any(hasattr(c, "eos_token_id") for c in stopping_criteria),
         scores=bool(rdig and generation_config.output_scores), logits=bool(rdig and generation_config.output_logits),
-        read_only=quiet.between_steps_read(logits_processor, stopping_criteria, None),
     )
 
 

@@ -49,8 +49,7 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
         else model.__call__
     )
     # the decode steps' forward: replayed from CUDA graphs piece by piece where `piecewise` proves it exact
-    forward = piecewise.forward_for(model, model_forward, generation_config,
-                                    read_only=plan.read_only and streamer is None) or model_forward
+    forward = piecewise.forward_for(model, model_forward, generation_config) or model_forward
     outputs = model._prefill(input_ids, generation_config, model_kwargs,
                              is_first_iteration=not generation_config.is_assistant)
     step_inputs = None  # made at the first decode step; None while stock prepares the inputs
