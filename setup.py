@@ -71,7 +71,7 @@ setup(
     install_requires=["torch>=2.6", "transformers>=4.57.6,<6", "numpy"],
     extras_require={
         # peft: tests/test_peft.py runs real LoRA models (tested with peft 0.21.2 on transformers 4.57.6 to 5.24.0)
-        "test": ["pytest", "parameterized", "accelerate", "peft"],
+        "test": ["pytest", "pytest-xdist", "parameterized", "accelerate", "peft"],
         "bench": ["matplotlib"],
     },
 )
