@@ -34,6 +34,10 @@ READERS = (
     "_get_sdp_priority_order",
     "_get_deterministic_algorithms", "_get_deterministic_algorithms_warn_only",
     "_get_deterministic_fill_uninitialized_memory",
+    # torch 2.15: cuBLASLt's grouped GEMM preference, FlashAttention-4 for SDPA, and the switches of torch's
+    # ahead-of-time compiled native kernels (`torch._native`: a topk, say), each of which picks another kernel
+    "_get_cublaslt_prefer_grouped_gemm", "_get_fa4_sdp_enabled", "_get_native_aot_enabled",
+    "_get_native_aot_unconditional_masked",
 )
 # TunableOp (`torch.cuda.tunable`): while on, a GEMM runs the solution it tuned (or tunes one) instead of the BLAS
 # library's default choice. Its readers are named `_cuda_tunableop_*`, not `_get_*` (the drift test does not see them);
@@ -66,6 +70,8 @@ IGNORED = frozenset((
     "_get_value_trace", "_get_version_calculator_flag", "_get_warnAlways",
     "_get_cudnn_batch_norm_reserve_space_size",  # a per-tensor query (it takes arguments), not a setting
     "_get_fp32_precision_getter",  # takes arguments: read with each (backend, op) in `_FP32_PRECISION`
+    "_get_fake_constant",  # torch 2.15: a per-tensor query (it takes a tensor), not a setting
+    "_get_symbolize_mode",  # torch 2.15: how C++ stack traces are symbolized
 ))
 # the fp32-precision API (torch 2.9+): one reading per (backend, op)
 _FP32_PRECISION = (("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("cuda", "conv"), ("cuda", "rnn"),
