@@ -176,40 +176,34 @@ class ChangesBetweenStepsAreSeen(unittest.TestCase):
             want, got, path = self._stock_then_flag({}, {})
         assert_same(self, want, got)
 
-    def test_a_cache_update_patched_on_transformers_class_that_changes_a_module_is_seen(self):
-        # a replay calls `type(cache).update` eagerly for each layer; `why_not_cache` refuses an update set on the
-        # instance, not one set on `DynamicCache` itself: user code runs inside every step, after its checks
+    def _with_a_class_patched_update(self, at_layer):
+        """Stock against the flag with `DynamicCache.update` patched on the class: at decode step 4 (its key not in
+        yet), the update of layer `at_layer` halves layer 0's attention `scaling`. Returns (stock, flag, path)."""
         from transformers.cache_utils import DynamicCache
 
         attention = self.model.model.layers[0].self_attn
         own = DynamicCache.update
 
         def update(cache, key_states, value_states, layer_idx, *args, **kwargs):
-            # at layer 1 of decode step 4 (its key not in yet), when layer 0's attention has read its `scaling`
-            if layer_idx == 1 and cache.get_seq_length() == CHANGED_AT - 2:
+            if layer_idx == at_layer and cache.get_seq_length() == CHANGED_AT - 2:
                 attention.scaling = attention.scaling * 0.5
             return own(cache, key_states, value_states, layer_idx, *args, **kwargs)
 
         with mock.patch.object(DynamicCache, "update", update):
-            want, got, path = self._stock_then_flag({}, {})
+            return self._stock_then_flag({}, {})
+
+    def test_a_cache_update_patched_on_transformers_class_that_changes_a_module_is_seen(self):
+        # a replay calls `type(cache).update` eagerly for each layer: the change made at layer 1 (after layer 0's
+        # attention read its `scaling`) is seen from the next step on
+        want, got, path = self._with_a_class_patched_update(at_layer=1)
         assert_same(self, want, got)
 
     def test_a_module_attribute_changed_by_a_class_patched_cache_update_is_read_by_the_same_step(self):
-        # stock's attention reads `scaling=self.scaling` after its `cache.update`: a user update on `DynamicCache`
-        # that changes it takes effect in the same step; a replay passes the recorded value
-        from transformers.cache_utils import DynamicCache
-
-        attention = self.model.model.layers[0].self_attn
-        own = DynamicCache.update
-
-        def update(cache, key_states, value_states, layer_idx, *args, **kwargs):
-            if layer_idx == 0 and cache.get_seq_length() == CHANGED_AT - 2:
-                attention.scaling = attention.scaling * 0.5
-            return own(cache, key_states, value_states, layer_idx, *args, **kwargs)
-
-        with mock.patch.object(DynamicCache, "update", update):
-            want, got, path = self._stock_then_flag({}, {})
+        # stock's attention reads `scaling=self.scaling` after its `cache.update`: the change made at layer 0's update
+        # takes effect in the same step, where a replay would pass the recorded value (the forward stays eager)
+        want, got, path = self._with_a_class_patched_update(at_layer=0)
         assert_same(self, want, got)
+        self.assertIn("a cache update that is not transformers' own", path)
 
     def test_a_tensor_subclass_mask_whose_torch_function_changes_the_model_equals_stock(self):
         # holds: `between_steps_read` does not look at the call's tensors, but a mask of a tensor subclass (whose
