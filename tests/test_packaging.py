@@ -82,8 +82,8 @@ class Wheel(unittest.TestCase):
         self.assertEqual(sorted(re.split(r"[<>=;\s]", r)[0] for r in required), ["numpy", "torch", "transformers"])
         extras = {r.split(";")[0].strip(): r.split("extra ==")[1].strip(' "\'')
                   for r in self.metadata.get_all("Requires-Dist") if "extra ==" in r}
-        self.assertEqual(extras, {"pytest": "test", "parameterized": "test", "accelerate": "test", "peft": "test",
-                                  "matplotlib": "bench"})
+        self.assertEqual(extras, {"pytest": "test", "pytest-xdist": "test", "parameterized": "test",
+                                  "accelerate": "test", "peft": "test", "matplotlib": "bench"})
 
     def test_the_index_page_has_no_repository_relative_link(self):
         description = self.metadata.get_payload()
