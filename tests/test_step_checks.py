@@ -18,7 +18,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility, forward, staleness
+from transformers_async_stop.graphs.piecewise import eligibility, forward, proven, staleness
 from transformers_async_stop.testing.emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
@@ -231,6 +231,41 @@ class EmbeddingsReplacedMidCall(unittest.TestCase):
         keys = list(forward.graphs_of(model).recordings)
         self.assertEqual(len(keys), 1, keys)
         self.assertIs(keys[0][-1], torch.bfloat16)
+
+
+class OwnCodeVerdicts(unittest.TestCase):
+    """`proven.transformers_own`, asked per step of the cache's update and the sdpa attention function."""
+
+    def test_transformers_own_functions_pass_and_user_ones_do_not(self):
+        from transformers.cache_utils import DynamicCache
+
+        self.assertTrue(proven.transformers_own(DynamicCache.update))
+        self.assertFalse(proven.transformers_own(lambda *args: None))
+
+    def test_a_user_function_asked_about_is_not_kept_alive(self):
+        import gc
+        import weakref
+
+        def attention(*args, **kwargs):
+            return None
+
+        seen = weakref.ref(attention)
+        self.assertFalse(proven.transformers_own(attention))
+        del attention
+        gc.collect()
+        self.assertIsNone(seen())
+
+    def test_a_function_whose_code_is_replaced_is_asked_again(self):
+        from transformers.cache_utils import DynamicCache
+
+        def update(*args, **kwargs):
+            return None
+
+        own = DynamicCache.update
+        copy_of_own = type(own)(own.__code__, own.__globals__, own.__name__, own.__defaults__, own.__closure__)
+        self.assertTrue(proven.transformers_own(copy_of_own))
+        copy_of_own.__code__ = update.__code__
+        self.assertFalse(proven.transformers_own(copy_of_own))
 
 
 if __name__ == "__main__":

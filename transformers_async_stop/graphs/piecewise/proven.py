@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import sys
 import types
+import weakref
 
 import torch
 
@@ -166,7 +167,9 @@ def _transformers_code(function) -> bool:
     return True
 
 
-_OWN: dict = {}  # function -> (its code object, `_transformers_code`'s verdict): asked per step
+# function -> (its code object, `_transformers_code`'s verdict), asked per step; weak keys: a user's attention
+# function (a closure over a model, say) is not kept alive by having been asked about
+_OWN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def transformers_own(function) -> bool:
@@ -174,13 +177,16 @@ def transformers_own(function) -> bool:
     per-step checks ask it of the cache's `update` and of the attention function registered for "sdpa", which every
     replay calls eagerly (user code there could change what the rest of the step reads; red team Q6)."""
     code = getattr(function, "__code__", None)
-    seen = _OWN.get(function)
+    try:
+        seen = _OWN.get(function)
+    except TypeError:  # not weakly referenceable or unhashable: asked each time
+        seen = None
     if seen is not None and seen[0] is code:
         return seen[1]
     verdict = code is not None and _transformers_code(function)
     try:
         _OWN[function] = (code, verdict)
-    except TypeError:  # an unhashable callable
+    except TypeError:
         pass
     return verdict
 
