@@ -186,7 +186,8 @@ class PiecewiseForward:
     def _attention(self):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-        return ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+        # `get` rather than `get_interface`: the latter is 5.x-only, and for "sdpa" both read the same two mappings
+        return ALL_ATTENTION_FUNCTIONS.get("sdpa")
 
     def _why_not_observed(self) -> str | None:
         hooks = torch.nn.modules.module
