@@ -257,8 +257,10 @@ class TheForwardIsNamed(unittest.TestCase):
         path = last_path()
         self.assertEqual((path.path, path.method), ("deferred", "assisted"))  # not the draft's greedy
         self.assertTrue(path.forward.startswith("draft graphed (3 pieces): "), path.forward)
-        described = "deferred, draft forward graphed (3 pieces)"
-        self.assertEqual(path.describe(), described)
+        self.assertTrue(path.verify.startswith("graphed (3 pieces): "), path.verify)
+        described = path.describe()
+        self.assertTrue(described.startswith("deferred, verify forward graphed (3 pieces)"), described)
+        self.assertTrue(described.endswith(", draft forward graphed (3 pieces)"), described)
         self.assertEqual(logged, [f"INFO:transformers_async_stop:generate() [assisted]: {described}"])
 
 
@@ -279,6 +281,16 @@ class Describe(unittest.TestCase):
                                                                    "not CUDA (cpu)")
         self.assertEqual(described("eager: a hook on LlamaMLP", path="immediate"),
                          "immediate; forward eager: a hook on LlamaMLP")
+
+    def test_an_assisted_calls_verify_forward_is_named_before_its_drafts(self):
+        path = CallPath("deferred", method="assisted", forward="draft graphed (3 pieces): 4 decode steps",
+                        verify="graphed (17 pieces): 30 rounds; 2 eager: width 5 seen once")
+        self.assertEqual(path.describe(), "deferred, verify forward graphed (17 pieces), 2 rounds eager: width 5 seen "
+                                          "once, draft forward graphed (3 pieces)")
+        lookup = CallPath("deferred", method="prompt lookup", verify="graphed (17 pieces): 1 rounds; 1 eager: x")
+        self.assertEqual(lookup.describe(), "deferred, verify forward graphed (17 pieces), 1 round eager: x")
+        self.assertEqual(CallPath("deferred", verify="eager: not CUDA (cpu)").describe(),
+                         "deferred, verify forward eager: not CUDA (cpu)")
 
     def test_the_captured_static_loop_names_its_graphs(self):
         self.assertEqual(CallPath("static loop", tail="captured", graphs=2).describe(),

@@ -32,7 +32,7 @@ from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt,
 from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.sync_free import masking
 from transformers_async_stop.graphs import piecewise
-from transformers_async_stop.graphs.piecewise import eligibility, forward
+from transformers_async_stop.graphs.piecewise import eligibility, forward, steps
 from transformers_async_stop.testing.emulation import emulated
 
 ON = {eligibility.PIECEWISE_ENV: "1"}
@@ -244,7 +244,7 @@ class ReportedOnTheCpu(unittest.TestCase):
 
 
 class MaskDecisions(unittest.TestCase):
-    """What stock's `create_causal_mask` hands the attention, decided on the host (`forward._attention_mask`)."""
+    """What stock's `create_causal_mask` hands the attention, decided on the host (`steps.attention_mask`)."""
 
     def setUp(self):
         from transformers import DynamicCache
@@ -255,28 +255,28 @@ class MaskDecisions(unittest.TestCase):
             model(torch.ones(2, 4, dtype=torch.long), use_cache=True, **{_cache_name(): self.cache})
 
     def test_no_mask_gives_none(self):
-        self.assertEqual(forward._attention_mask(None, 2, self.cache), (None, None))
+        self.assertEqual(steps.attention_mask(None, 2, self.cache), (None, None))
 
     def test_the_grown_4d_mask_is_handed_on_as_it_is(self):
         mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
-        self.assertIs(forward._attention_mask(mask, 2, self.cache)[0], mask)
+        self.assertIs(steps.attention_mask(mask, 2, self.cache)[0], mask)
 
     def test_a_4d_mask_of_another_length_is_left_to_the_model(self):
-        self.assertIsNotNone(forward._attention_mask(torch.ones(2, 1, 1, 4, dtype=torch.bool), 2, self.cache)[1])
+        self.assertIsNotNone(steps.attention_mask(torch.ones(2, 1, 1, 4, dtype=torch.bool), 2, self.cache)[1])
 
     def test_an_untagged_2d_mask_is_left_to_the_model(self):
-        self.assertIsNotNone(forward._attention_mask(torch.ones(2, 5, dtype=torch.long), 2, self.cache)[1])
+        self.assertIsNotNone(steps.attention_mask(torch.ones(2, 5, dtype=torch.long), 2, self.cache)[1])
 
     def test_a_tagged_2d_mask_without_padding_gives_none(self):
         mask = torch.ones(2, 5, dtype=torch.long)
         masking._tag(mask, masking.MaskSummary(mask[:, :4]), 5)
-        self.assertEqual(forward._attention_mask(mask, 2, self.cache), (None, None))
+        self.assertEqual(steps.attention_mask(mask, 2, self.cache), (None, None))
 
     def test_a_tagged_padded_2d_mask_is_left_to_the_model(self):
         mask = torch.ones(2, 5, dtype=torch.long)
         mask[0, 0] = 0
         masking._tag(mask, masking.MaskSummary(mask[:, :4]), 5)
-        self.assertIn("padded", forward._attention_mask(mask, 2, self.cache)[1])
+        self.assertIn("padded", steps.attention_mask(mask, 2, self.cache)[1])
 
 
 class Staleness(unittest.TestCase):

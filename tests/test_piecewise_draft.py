@@ -75,7 +75,8 @@ class DraftOnTheCpu(unittest.TestCase):
 
         def noted(self, inputs):
             made = step(self, inputs)
-            verdicts.append((self.draft, made[2]))
+            if self.role != "verify":  # the target's verify rounds: tests/test_piecewise_verify.py
+                verdicts.append((self.draft, made[2]))
             return made
 
         def refused(*args, **kwargs):
@@ -101,7 +102,7 @@ class DraftOnTheCpu(unittest.TestCase):
             model(torch.ones(2, 4, dtype=torch.long), use_cache=True, **{_cache_name(): cache})
             inputs = {"input_ids": torch.ones(2, 1, dtype=torch.long), "position_ids": torch.full((2, 1), 4),
                       _cache_name(): cache, "use_cache": True, "return_dict": True}
-            draft = forward.PiecewiseForward(model, model.__call__, None, draft=True)
+            draft = forward.PiecewiseForward(model, model.__call__, None, role="draft")
             self.assertEqual(draft._step(inputs)[2], "a draft batch other than 1")
             self.assertIsNone(forward.PiecewiseForward(model, model.__call__, None)._step(inputs)[2])
 

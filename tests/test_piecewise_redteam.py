@@ -102,7 +102,7 @@ class MaskShorterThanTheCache(unittest.TestCase):
     """HOLE A (CUDA usage fuzzer seeds 51, 177, 1339, 1443 on 5.17; reproduced here under the emulation, all four
     with this one cause): a 2D attention mask shorter than the cache + 1. Stock's `create_causal_mask` then masks the
     cache's last positions at each decode step (the mask is aligned to the mask's length, not the cache's); the
-    eager flag path does the same, but `piecewise.forward._attention_mask` sees an unpadded 2D mask and gives the
+    eager flag path does the same, but `piecewise.steps.attention_mask` sees an unpadded 2D mask and gives the
     attention no mask at all, so the replayed steps attend to every cached position. The mask comes out short where a
     continued cache holds more positions than the conversation fed: a chunked prefill on a continued cache (stock
     prefills the whole conversation again on top of the cache), or the conversation fed again after a call that

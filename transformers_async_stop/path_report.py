@@ -53,11 +53,15 @@ class CallPath:
     # the dynamic loop's decode forward: "graphed (N pieces): ..." (`piecewise/`) or "eager: <why>", an assisted
     # call's draft forward "draft graphed ..." or "draft eager: <why>"; None elsewhere. describe() gives it short
     forward: str | None = dataclasses.field(default=None, compare=False)  # a detail: reports compare without it
+    # an assisted call's verify forward (the target's K tokens, rounds after the first): "graphed (N pieces): R
+    # rounds..." or "eager: <why>"; None elsewhere (`piecewise.forward_for(..., verify=True)`)
+    verify: str | None = dataclasses.field(default=None, compare=False)
     notice: str | None = None  # this transformers release was not checked: the fast paths off (`release_notice`)
 
     def describe(self) -> str:
         """One line: "deferred, static loop, tail captured (2 graphs)", "deferred, dynamic loop, forward graphed
-        (17 pieces)", "deferred, dynamic loop, forward eager: <why>", "stock: CPU", "stock: flag off"."""
+        (17 pieces)", "deferred, dynamic loop, forward eager: <why>", "deferred, verify forward graphed (17 pieces), draft forward
+        graphed (3 pieces)", "stock: CPU", "stock: flag off"."""
         if self.path == "stock":
             return f"stock: {_short(self.reason)}" if self.reason else "stock"
         if self.path == "immediate":
@@ -69,7 +73,8 @@ class CallPath:
                 tail += f" ({self.graphs} graph{'s' if self.graphs != 1 else ''})"
             return f"deferred, static loop{tail}" + (f"; left its plan: {self.reason}" if self.reason else "")
         deferred = "deferred, dynamic loop" if self.loop == "dynamic" else "deferred"
-        return f"{deferred}, {_forward(self.forward)}" if self.forward else deferred
+        verify = f", verify {_forward(self.verify)}" if self.verify else ""
+        return f"{deferred}{verify}, {_forward(self.forward)}" if self.forward else deferred + verify
 
 
 def _forward(forward: str) -> str:
@@ -81,7 +86,8 @@ def _forward(forward: str) -> str:
         # "graphed (P pieces): N decode steps", and where some steps ran eagerly "; E eager: <why>"
         graphed, _, steps = text.partition(": ")
         count, _, why = steps.partition("; ")[2].partition(" eager: ")
-        text = f"{graphed}, {count} step{'s' if count != '1' else ''} eager: {why}" if why else graphed
+        unit = "round" if " rounds" in steps else "step"  # the verify forward counts rounds
+        text = f"{graphed}, {count} {unit}{'s' if count != '1' else ''} eager: {why}" if why else graphed
     return f"{draft}forward {text}"
 
 

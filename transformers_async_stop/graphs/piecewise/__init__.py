@@ -33,24 +33,32 @@ __all__ = ["PIECEWISE_ENV", "forward_for"]
 # the assistant's draft steps of assisted decoding take the path too (False: they keep their eager forward; a switch
 # that removes the draft's use alone, should it fail where the dynamic loop's own does not)
 DRAFT_ON = True
+# assisted decoding's verify forward (the target's K = candidates + 1 tokens) takes it too (False: it stays eager)
+VERIFY_ON = True
 
 
-def forward_for(model, model_forward, generation_config):
+def forward_for(model, model_forward, generation_config, verify=False):
     """The forward the dynamic-cache loop calls for its decode steps, or None where it keeps `model_forward` (the
     reason goes to `last_path().forward`).
 
     An assistant's draft loop inside a deferred assisted call (`assisted/draft.py`) takes it too: each draft step is
     a one-token decode forward of the assistant with its `DynamicCache`, at batch 1 (assisted decoding's only batch;
-    any other steps aside per step). The draft reports nothing of its own, so its forward is told in the assisted
-    call's `last_path().forward`, prefixed "draft " (the last round's count of replayed steps)."""
-    draft = bool(getattr(generation_config, "is_assistant", False))
-    if draft and not DRAFT_ON:
+    any other steps aside per step), and each round's two-token prefill. The draft reports nothing of its own, so its
+    forward is told in the assisted call's `last_path().forward`, prefixed "draft " (the last round's count of
+    replayed steps).
+
+    `verify=True`: the forward of assisted decoding's verify rounds after the first (`assisted/loop.py`), K tokens
+    wide, told in `last_path().verify`."""
+    role = "verify" if verify else "draft" if getattr(generation_config, "is_assistant", False) else "decode"
+    if (role == "draft" and not DRAFT_ON) or (role == "verify" and not VERIFY_ON):
         return None
     report = path_report._current()
-    label = "draft " if draft else ""
     why = why_not_model(model, model_forward)
     if why is not None:
         if report is not None:
-            report.forward = f"{label}eager: {why}"
+            if role == "verify":
+                report.verify = f"eager: {why}"
+            else:
+                report.forward = f"{'draft ' if role == 'draft' else ''}eager: {why}"
         return None
-    return PiecewiseForward(model, model_forward, report, draft=draft)
+    return PiecewiseForward(model, model_forward, report, role=role)

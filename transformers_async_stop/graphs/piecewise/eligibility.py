@@ -41,7 +41,7 @@ from ...state.call_state import compiling
 from ...release_checks.verified import matches, sources_of
 from ..backend import emulates
 from . import proven
-from .graphs import watched_functions
+from .code_names import watched_functions
 
 PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"
 
@@ -227,7 +227,7 @@ def _looked_up(module, family: Family) -> list:
         return found
     from ...release_checks.targets import TARGETS
     from ...release_checks.verified import resolve_source, sources_of
-    from .graphs import code_names
+    from .code_names import code_names
 
     pairs = set()
     for value in list(vars(module).values()):

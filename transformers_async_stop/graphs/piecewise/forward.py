@@ -4,7 +4,8 @@ Per step, before any replay, it checks what a replay would otherwise get wrong, 
 model's own) where it cannot replay:
 - the step's inputs: only `input_ids` / `position_ids` (one column), the cache (`past_key_values` up to 5.23,
   `cache` from 5.24: `cache_kwarg.py`), `use_cache`, `logits_to_keep`,
-  `return_dict`, and a mask whose effect on the attention is known on the host (`_attention_mask`);
+  `return_dict`, and a mask whose effect on the attention is known on the host (`steps.attention_mask`), or for K > 1 tokens the
+  step's own mask, from which each replay makes stock's (`steps.wide_mask`);
 - staleness (`staleness.py`): a module, parameter or buffer replaced, its storage moved (`.to()`, `.data =`, a dtype
   change) or its shape or stride changed on the same storage, a plain attribute of a module or a config rebound (a
   norm's epsilon, an attention's scaling) or a config's list or dict edited in place: the model's recordings are
@@ -19,6 +20,13 @@ model's own) where it cannot replay:
 A family whose base forward starts with `warn_if_padding_and_no_attention_mask` (GPT-2: without a mask it checks the
 step's ids for the pad token and warns once) has that check run before each replay, as its forward runs it.
 Recordings are kept per model (`staleness.graphs_of`) and freed with it.
+
+Roles: "decode" (the dynamic-cache loop's one-token steps), "draft" (an assistant's steps inside assisted decoding,
+batch 1: its one-token steps and the two-token prefill of each round) and "verify" (assisted decoding's target
+forward of K = candidates + 1 tokens, batch 1, which returns a copy of the logits: stock's loop writes into them and
+returns them as scores). A forward of K > 1 tokens (`steps.wide_mask`) is recorded at the second sighting of its key
+(the clipped last round's odd width stays eager), at most `MAX_WIDE` such recordings per model, the least replayed
+dropped first.
 """
 
 from __future__ import annotations
@@ -27,19 +35,17 @@ import collections
 import itertools
 import operator
 import sys
-import threading
 
 import torch
-from transformers import masking_utils
 
 from ...release_checks import cache_kwarg
-from ...state import concurrency
-from ...sync_free import masking
-from . import eligibility, proven, settings
+from . import eligibility, proven, settings, steps
 from .graphs import CaptureFailed, NotRecordable, record
 from .staleness import ModelGraphs, graphs_of  # noqa: F401 (the per-model store: `forward.graphs_of` for callers)
 
-MAX_KEYS = 4  # recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
+MAX_KEYS = 4  # one-token recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
+MAX_WIDE = 8  # K-token recordings per model (verify widths, the draft's prefill): least replayed dropped beyond
+ROLES = ("decode", "draft", "verify")
 _TRAINING = operator.attrgetter("training")
 _PLAIN_TABLES = (dict, collections.OrderedDict)
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
@@ -49,9 +55,13 @@ _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache",
 class PiecewiseForward:
     """`model_forward` for one call of the dynamic-cache loop (see the module docstring)."""
 
-    def __init__(self, model, model_forward, report, draft=False):
+    def __init__(self, model, model_forward, report, role="decode"):
+        if role not in ROLES:
+            raise ValueError(f"role={role!r}: one of {ROLES}")
         self.model, self.eager, self.report = model, model_forward, report
-        self.draft = draft  # an assistant's draft loop: batch 1 only, reported with a "draft " prefix
+        self.role = role
+        self.draft = role == "draft"  # an assistant's draft loop: batch 1, reported with a "draft " prefix
+        self.wide = role != "decode"  # takes forwards of K > 1 tokens (batch 1)
         self.graphs = graphs_of(model)
         self.family = eligibility.family_of(model)
         self._watch()
@@ -93,7 +103,7 @@ class PiecewiseForward:
                 self.off = why
         if self.off is not None:
             return self._eager(self.off, inputs)
-        if not _alone():
+        if not steps.alone():
             # a model's graphs and their fixed buffers serve one forward at a time: while another thread is inside
             # generate() (it may use this model), neither thread replays (a thread that entered later sees this one)
             return self._eager("another thread is inside generate()", inputs)
@@ -118,9 +128,15 @@ class PiecewiseForward:
         if recording is not None:
             graphs.recordings.move_to_end(key)
             return self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["input_ids"],
-                                                   inputs["position_ids"], mask, self._attention(), self.modules))
+                                                   inputs["position_ids"], mask, self._attention(), self.modules,
+                                                   fresh_logits=self.role == "verify"))
         if key in graphs.failed:
             return self._eager(graphs.failed[key], inputs)
+        width = key[1]
+        if width > 1 and graphs.sighting(key) < 2:
+            # a width seen once may never come back (the last round clipped by the length, an EOS among the
+            # candidates): it is recorded when it does
+            return self._eager(f"width {width} seen once", inputs)
         return self._record(key, mask, inputs)
 
     def _record(self, key, mask, inputs):
@@ -138,9 +154,10 @@ class PiecewiseForward:
             graphs.snapshot(self.model)
         forward_inputs = {name: value for name, value in inputs.items() if name != "return_dict"}
         forward_inputs["return_dict"] = True
+        mask_module = sys.modules[self.family.module] if key[1] > 1 else None
         try:
             made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
-                          "sdpa", graphs.pool)
+                          "sdpa", graphs.pool, mask_module)
         except NotRecordable as error:
             graphs.failed[key] = f"not recordable: {error}"
             return self._eager(graphs.failed[key], inputs)
@@ -155,8 +172,10 @@ class PiecewiseForward:
         graphs.pool = recording.pool
         graphs.recordings[key] = recording
         graphs.sizes = list(map(len, graphs.dicts))  # what transformers' own forward set on its modules while recorded
-        while len(graphs.recordings) > MAX_KEYS:
-            graphs.recordings.popitem(last=False)
+        _evict(graphs.recordings)
+        if self.role == "verify":
+            # the recording's logits buffer is the next replay's: the caller gets its own copy, as every replay's
+            outputs = type(outputs)(logits=outputs.logits.clone(), **cache_kwarg.output_field(cache_kwarg.get(inputs)))
         return self._replayed(outputs)
 
     def _replayed(self, outputs):
@@ -178,10 +197,14 @@ class PiecewiseForward:
         if self.replayed:
             pieces = len(self.modules) + 1
             tail = f"; {self.eager_steps} eager: {self.last_eager}" if self.eager_steps else ""
-            text = f"graphed ({pieces} pieces): {self.replayed} decode steps{tail}"
+            steps = "rounds" if self.role == "verify" else "decode steps"
+            text = f"graphed ({pieces} pieces): {self.replayed} {steps}{tail}"
         else:
             text = f"eager: {self.last_eager}"
-        report.forward = f"draft {text}" if self.draft else text
+        if self.role == "verify":
+            report.verify = text
+        else:
+            report.forward = f"draft {text}" if self.draft else text
 
     def _attention(self):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -208,26 +231,32 @@ class PiecewiseForward:
             # each replay calls it eagerly for every layer: user code there could change what the rest of the step
             # reads, which the recording baked in (red team Q6)
             return "an attention function registered for sdpa that is not transformers' own"
-        if not _own_sdpa_mask():
+        if not steps.own_sdpa_mask():
             # stock's `create_causal_mask` calls the mask function registered for "sdpa" at every step; a replay's
-            # mask is the one `_attention_mask` worked out for transformers' own
+            # mask is the one `steps.attention_mask` worked out for transformers' own
             return "a mask function registered for sdpa"
-        return _why_mode()
+        return steps.why_mode()
 
 
     def _step(self, inputs):
-        """(the attention's mask, the recording key, None), or (None, None, why this step runs eagerly)."""
+        """(the attention's mask, the recording key, None), or (None, None, why this step runs eagerly). For a
+        forward of K > 1 tokens the "mask" is the step's own (2D or None), from which each replay makes stock's."""
         cache = cache_kwarg.get(inputs)
         if (not _INPUTS.issuperset(name for name in inputs if name != cache_kwarg.name())
                 or inputs.get("return_dict", True) is not True):
             return None, None, "inputs the recording does not take"
+        if "return_dict" not in inputs and getattr(self.model.config, "return_dict", True) is not True:
+            # the verify call passes none: stock's forward then returns a tuple (`can_return_tuple`), a replay an
+            # output object
+            return None, None, "config.return_dict is off"
         ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
         keep = inputs.get("logits_to_keep", 0)
-        if not (_column(ids, self.device) and _column(positions, self.device)
-                and positions.shape[0] == ids.shape[0]):
+        if not (steps.row(ids, self.device) and steps.row(positions, self.device) and positions.shape == ids.shape
+                and (ids.shape[1] == 1 or self.wide)):
             return None, None, "not a one-token decode step"
-        if self.draft and ids.shape[0] != 1:
-            return None, None, "a draft batch other than 1"
+        width = ids.shape[1]
+        if self.wide and ids.shape[0] != 1:
+            return None, None, f"a {self.role} batch other than 1"
         if inputs.get("use_cache", True) is not True or type(keep) is not int:
             return None, None, "inputs the recording does not take"
         why = eligibility.why_not_cache(cache)
@@ -235,14 +264,19 @@ class PiecewiseForward:
             return None, None, why
         if len(cache.layers) != len(self.modules) or not cache.layers[0].is_initialized:
             return None, None, "a cache not filled by this model's prefill"
-        mask, why = _attention_mask(inputs.get("attention_mask"), ids.shape[0], cache)
+        if width == 1:
+            mask, why = steps.attention_mask(inputs.get("attention_mask"), ids.shape[0], cache)
+        else:
+            mask, why = steps.wide_mask(inputs.get("attention_mask"), ids.shape[0], width, cache)
         if why is not None:
             return None, None, why
         # autocast of the model's device (`is_autocast_enabled()` alone is CUDA's: a CPU model's recording under CPU
         # autocast, emulated, would have replayed its casts in a call without it)
         if torch.is_grad_enabled() or torch.is_autocast_enabled() or torch.is_autocast_enabled(self.device.type):
             return None, None, "gradients or autocast enabled"
-        key = (ids.shape[0], ids.dtype, positions.dtype, self.device, mask is None, keep,
+        key = (ids.shape[0], width, ids.dtype, positions.dtype, self.device,
+               # one token: whether SDPA gets no mask; K tokens: the replay makes stock's mask, whatever the input
+               mask is None if width == 1 else None, keep,
                # every torch setting that can change a kernel's choice or its numerics (`settings.py`)
                settings.read(),
                # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them
@@ -250,88 +284,20 @@ class PiecewiseForward:
                # callers normal tensors where stock gives inference ones
                torch.is_inference_mode_enabled(),
                # factory calls without a device inside the pieces were recorded on this default device
-               _default_device(),
+               steps.default_device(),
                # the model's dtype, last (`_record` puts the one of the embedding module as it watches it then)
                self.embeddings.weight.dtype)
         return mask, key, None
 
 
-# torch's mode stacks (private: read by name, and a torch without them keeps the eager forward, `_why_mode`)
-_FUNCTION_MODES = getattr(torch._C, "_len_torch_function_stack", None)
-_DISPATCH_MODES = getattr(torch._C, "_len_torch_dispatch_stack", None)
-try:
-    from torch.overrides import _get_current_function_mode_stack as _function_modes
-    from torch.utils._device import DeviceContext as _DeviceContext
-except ImportError:
-    _function_modes = _DeviceContext = None
-
-
-def _why_mode() -> str | None:
-    """A torch function or dispatch mode active around the forward (a profiler's, a debugger's, a counting mode) sees
-    every op of stock's forward, and nothing of a replay: the step runs eagerly. `torch.set_default_device` keeps one
-    mode on for good (a `DeviceContext`): it only gives factory calls without a device their device, and it is part
-    of the recording key (`_default_device`), so it keeps the path."""
-    if None in (_FUNCTION_MODES, _DISPATCH_MODES, _function_modes, _DeviceContext):
-        return "torch's mode stacks cannot be read"
-    if _DISPATCH_MODES():
-        return "a torch dispatch mode is active"
-    if _FUNCTION_MODES() and any(type(mode) is not _DeviceContext for mode in _function_modes()):
-        return "a torch function mode is active"
-    return None
-
-
-def _own_sdpa_mask() -> bool:
-    """The mask function registered for "sdpa" is transformers' own `sdpa_mask`."""
-    registry = getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None)
-    own = getattr(masking_utils, "sdpa_mask", None)
-    return registry is not None and own is not None and registry.get("sdpa") is own
-
-
-def _default_device():
-    """The default device `torch.set_default_device` put on the mode stack, None without one (a recording key).
-    Reached only after `_why_mode` found the stacks readable and holding no other function mode."""
-    if not _FUNCTION_MODES():
-        return None
-    return tuple(str(getattr(mode, "device", None)) for mode in _function_modes())
-
-
-def _alone() -> bool:
-    """No other thread is inside generate() (`concurrency.inside_generate` registers each call's thread)."""
-    ident = threading.get_ident()
-    return all(other == ident for other in list(concurrency._INSIDE))
-
-
-def _column(tensor, device) -> bool:
-    return (isinstance(tensor, torch.Tensor) and type(tensor) is torch.Tensor and tensor.dim() == 2
-            and tensor.shape[1] == 1 and tensor.dtype == torch.long and tensor.device == device)
-
-
-def _attention_mask(mask, batch: int, cache):
-    """What stock's `create_causal_mask` hands the attention at this decode step, known on the host: (mask, None),
-    or (None, why the step runs eagerly).
-
-    - a 4D mask (the loop's grown mask, `dynamic_loop/wide_mask.py`) is returned as it is;
-    - no mask, or a 2D mask of ones as long as the cache and this token (the call's host summary says the prompt has
-      no padding and no zero column was added), gives None on SDPA's decode step (`_ignore_causal_mask_sdpa`: no
-      padding and one query);
-    - anything else (a padded 2D mask: stock builds the 4D mask inside the forward) is left to the eager forward."""
-    if mask is None:
-        return None, None
-    if not isinstance(mask, torch.Tensor) or type(mask) is not torch.Tensor:
-        return None, "a mask the recording does not take"
-    if mask.dim() == 4:
-        if (mask.dtype == torch.bool and mask.shape[0] == batch and mask.shape[1:3] == (1, 1)
-                and mask.shape[3] == cache.get_seq_length() + 1):
-            return mask, None
-        return None, "a 4D mask other than the decode step's"
-    if mask.dim() == 2:
-        if mask.shape[-1] != cache.get_seq_length() + 1:
-            # shorter than the cache + this token (a chunked prefill or a conversation fed again on a continued
-            # cache): stock's mask then hides the cache's last positions, SDPA's unmasked decode step would not (CUDA
-            # usage fuzzer seeds 51, 177, 1339, 1443 on 5.17; tests/test_piecewise_redteam.py, hole A)
-            return None, "a 2D mask whose length is not the cache's + 1"
-        tag = masking._tag_of(mask)
-        if tag is not None and not tag[0].padded and tag[1] == mask.shape[-1]:
-            return None, None
-        return None, "a padded 2D mask (the model builds its 4D mask this step)"
-    return None, "a mask the recording does not take"
+def _evict(recordings) -> None:
+    """Drop recordings beyond the caps: one-token keys least recently used first (`MAX_KEYS`), K-token keys least
+    replayed first, the least recently used of those on a tie (`MAX_WIDE`)."""
+    narrow = [key for key in recordings if key[1] == 1]
+    while len(narrow) > MAX_KEYS:
+        del recordings[narrow.pop(0)]
+    wide = [key for key in recordings if key[1] != 1]
+    while len(wide) > MAX_WIDE:
+        least = min(wide, key=lambda key: recordings[key].uses)  # `min` keeps the first (least recent) on a tie
+        wide.remove(least)
+        del recordings[least]

@@ -23,6 +23,16 @@ arguments, its output copied into the buffer; replay the next piece. The returne
 
 All pieces of a model share one memory pool and are replayed in the order they were captured; every tensor that
 crosses a piece boundary is kept referenced by the recording, so no later capture reuses its memory.
+
+**A forward of K > 1 tokens** (assisted decoding's verify forward, the draft's two-token prefill) is recorded the same
+way, with the pieces' shapes K tokens wide. Its attention mask is not one the host knows: stock builds a 4D mask
+inside the forward (`create_causal_mask` -> `sdpa_mask`, padding included; it never skips it at K > 1). So the
+recording also intercepts the modeling module's mask functions (`create_causal_mask`, and Gemma 3's sliding one): each
+call returns a sentinel of its own, and its keyword arguments are recorded (the config, the embeddings tensor of
+piece 0, the mask, the cache, the positions). Every replay then calls the module's mask function itself, eagerly,
+after piece 0 and before the first cache update (where stock calls it), with the step's own 2D mask, cache and
+positions: the attention gets stock's mask, made by stock's code from the same inputs. The embeddings tensor is piece
+0's output (a fixed buffer, this step's values by then); the mask functions read its shape, dtype and device.
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ import torch
 from ...release_checks import cache_kwarg
 from ...state import concurrency
 from ..backend import backend_for
+from . import masks
+from .masks import POSITIONS
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)
 _SCALARS = (bool, int, float, str, type(None))
@@ -52,7 +64,7 @@ class CaptureFailed(Exception):
 
 
 class Recording:
-    """The graphs and fixed buffers of one (model, batch, dtype, mask kind, ...) key."""
+    """The graphs and fixed buffers of one (model, batch, width, dtype, mask kind, ...) key."""
 
     def __init__(self, ids, positions, sentinel):
         self.ids, self.positions, self.sentinel = ids, positions, sentinel
@@ -62,21 +74,41 @@ class Recording:
         self.output_type = None
         self.pool = None
         self.capture_seconds = 0.0
+        self.uses = 0  # replays: the least used of a model's multi-token recordings is dropped first
+        # K > 1: the modeling module, its mask calls [(function name, kwargs with markers)] and which call's mask
+        # each layer's attention got (an index into `mask_calls`); empty for a one-token forward
+        self.mask_module = None
+        self.mask_calls: list = []
+        self.mask_of_layer: list = []
 
-    def replay(self, cache, input_ids, position_ids, mask, attention_fn, modules):
+    def replay(self, cache, input_ids, position_ids, mask, attention_fn, modules, fresh_logits=False):
+        """This step's forward. `mask`: the attention's mask for a one-token forward, the step's own (2D or None)
+        mask for a K-token one. `fresh_logits`: return a copy of the logits buffer (a caller that keeps them past
+        the next replay: the verify forward, whose fp32 logits stock's loop writes into and returns as scores)."""
+        self.uses += 1
         self.ids.copy_(input_ids)
         self.positions.copy_(position_ids)
         graphs = self.graphs
         graphs[0].replay()
+        made = self._masks(cache, mask) if self.mask_calls else None
         update = type(cache).update
         for i, (layer_idx, q, k, v, kwargs, out) in enumerate(self.layers):
             keys, values = update(cache, k, v, layer_idx)
-            if _POSITIONS in kwargs.values():
-                kwargs = {name: (self.positions if value is _POSITIONS else value) for name, value in kwargs.items()}
-            result = attention_fn(modules[i], q, keys, values, mask, **kwargs)[0]
+            if POSITIONS in kwargs.values():
+                kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
+            result = attention_fn(modules[i], q, keys, values, mask if made is None else made[self.mask_of_layer[i]],
+                                  **kwargs)[0]
             out.copy_(result)
             graphs[i + 1].replay()
-        return self.output_type(logits=self.logits, **cache_kwarg.output_field(cache))
+        logits = self.logits.clone() if fresh_logits else self.logits
+        return self.output_type(logits=logits, **cache_kwarg.output_field(cache))
+
+    def _masks(self, cache, mask) -> dict:
+        """The masks of the mask calls some layer reads, made as stock's forward makes them (the module's function,
+        looked up as the forward looks it up, with this step's mask, cache and positions)."""
+        module, calls = self.mask_module, self.mask_calls
+        return {index: masks.mask_call(getattr(module, calls[index][0]), calls[index][1], mask, cache, self.positions)
+                for index in dict.fromkeys(self.mask_of_layer)}
 
 
 def _plain_update(args, kwargs) -> bool:
@@ -85,14 +117,6 @@ def _plain_update(args, kwargs) -> bool:
     `kwargs` dict, which `Cache.update` hands to `DynamicLayer.update`'s `**kwargs` and that ignores (both digested in
     `targets/piecewise_rows.py`)."""
     return not args and (not kwargs or (kwargs.keys() == {"kwargs"} and type(kwargs["kwargs"]) is dict))
-
-
-class _Marker:
-    def __repr__(self):
-        return "<positions buffer>"
-
-
-_POSITIONS = _Marker()
 
 
 def _intercept(original):
@@ -127,9 +151,16 @@ def _swapped_attention(impl: str):
 class _Recorder:
     """The state of one recording forward (see the module docstring)."""
 
-    def __init__(self, recording: Recording, cache, modules, real_mask, main, stream, pool, backend):
+    def __init__(self, recording: Recording, cache, modules, real_mask, main, stream, pool, backend, mask_module=None):
         self.rec, self.cache, self.modules, self.real_mask = recording, cache, modules, real_mask
         self.main, self.stream, self.pool, self.backend = main, stream, pool, backend
+        # K > 1: the modeling module whose mask calls are recorded (`real_mask` is then the step's own mask), the
+        # sentinel each call returned and the real masks, made before the first cache update as stock makes them
+        self.mask_module = mask_module
+        self.sentinels: list = []
+        self.spare_sentinels: list = []
+        self.originals: list = []  # the mask functions themselves (the module holds the interceptors meanwhile)
+        self.real_masks: list | None = None
         self.graph = None  # the piece under capture
         self.pending = None  # (layer_idx, k, v, keys, values) between an update and its attention
         self.saved = []  # (layer, keys, values) before this step's update: restored if the recording fails
@@ -162,6 +193,14 @@ class _Recorder:
         if self.pending is not None or not _plain_update(args, kwargs) or layer_idx != index or self.graph is None:
             raise NotRecordable(f"an unexpected cache update (layer {layer_idx})")
         self.end()
+        if self.mask_module is not None and self.real_masks is None:
+            # stock's forward made its masks before any layer ran, with the cache as it was before this step
+            if len(self.rec.mask_calls) != len(self.sentinels) or not self.sentinels:
+                raise NotRecordable("the forward made no mask the recording saw")
+            with self.backend.stream(self.main):
+                self.real_masks = [self._eager(masks.mask_call, function, kwargs, self.real_mask, self.cache,
+                                               self.rec.positions)
+                                   for function, (_, kwargs) in zip(self.originals, self.rec.mask_calls)]
         layer = self.cache.layers[layer_idx] if layer_idx < len(self.cache.layers) else None
         if layer is not None:
             self.saved.append((layer, getattr(layer, "keys", None), getattr(layer, "values", None),
@@ -179,18 +218,25 @@ class _Recorder:
         self.pending = None
         if keys is not cache_keys or values is not cache_values:
             raise NotRecordable("the attention's keys/values are not the cache's")
-        if mask is not self.rec.sentinel:
+        real_mask = self.real_mask
+        if self.mask_module is not None:
+            index = next((i for i, sentinel in enumerate(self.sentinels) if mask is sentinel), None)
+            if index is None or self.real_masks is None:
+                raise NotRecordable("the attention's mask is not one the forward made")
+            self.rec.mask_of_layer.append(index)
+            real_mask = self.real_masks[index]
+        elif mask is not self.rec.sentinel:
             raise NotRecordable("the attention's mask is not the forward's")
         recorded = {}
         for name, value in kwargs.items():
             if value is self.rec.positions:
-                recorded[name] = _POSITIONS
+                recorded[name] = POSITIONS
             elif isinstance(value, _SCALARS):
                 recorded[name] = value
             else:
                 raise NotRecordable(f"the attention's argument {name!r} is a {type(value).__name__}")
         with self.backend.stream(self.main):
-            output, weights = self._eager(original, module, query, keys, values, self.real_mask, **kwargs)
+            output, weights = self._eager(original, module, query, keys, values, real_mask, **kwargs)
             if weights is not None:
                 raise NotRecordable("the attention returns weights")
             buffer = torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
@@ -199,6 +245,22 @@ class _Recorder:
         self.stream.wait_stream(self.main)
         self.begin()
         return buffer, None
+
+    def mask(self, name, original, args, kwargs):
+        """A mask function's call inside a K-token recording: its keywords recorded (markers for the step's mask,
+        cache and positions), a sentinel of its own returned (the attention says which call's mask it got)."""
+        if args or self.graph is None or self.rec.layers or self.pending is not None:
+            raise NotRecordable(f"a {name} call the recording did not expect")
+        recorded, why = masks.recorded_kwargs(kwargs, self.rec.sentinel, self.cache, self.rec.positions)
+        if recorded is None:
+            raise NotRecordable(f"a {name} call the recording cannot make again: {why}")
+        if len(self.sentinels) >= len(self.spare_sentinels):
+            raise NotRecordable("more mask calls than the recording takes")
+        sentinel = self.spare_sentinels[len(self.sentinels)]  # made by `record` before the capture began
+        self.sentinels.append(sentinel)
+        self.rec.mask_calls.append((name, recorded))
+        self.originals.append(original)
+        return sentinel
 
     def _eager(self, function, *args, **kwargs):
         """`function` run outside any capture, as stock runs it (the real cache update, the attention function
@@ -229,11 +291,15 @@ class _Recorder:
         self.saved.clear()
 
 
-def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: str, pool):
-    """Record the decode forward for `inputs`; (Recording, this step's outputs). Raises `NotRecordable` or
+def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: str, pool, mask_module=None):
+    """Record the forward for `inputs`; (Recording, this step's outputs). Raises `NotRecordable` or
     `CaptureFailed` (nothing of this step done: the cache is as it was; `capture_failure`), or what the forward
     raised otherwise; returns None when another thread is inside
-    generate() (a capture is not private then: `concurrency.py`)."""
+    generate() (a capture is not private then: `concurrency.py`).
+
+    `mask_module`: for a forward of K > 1 tokens, the modeling module whose mask calls are recorded and replayed
+    (`real_mask` is then the step's own 2D mask or None); None for a one-token forward, whose attention gets
+    `real_mask` itself."""
     import time
 
     device = inputs["input_ids"].device
@@ -249,12 +315,17 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         backend = backend_for(device)
         main = backend.current_stream(device)
         stream = backend.capture_stream(device)
-        recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend)
+        recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend, mask_module)
+        if mask_module is not None:
+            recording.mask_module = mask_module
+            # one sentinel per mask call, distinct objects (made here: nothing is allocated for them under capture)
+            recorder.spare_sentinels = [torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device)
+                                        for _ in masks.MASK_FUNCTIONS]
         stream.wait_stream(main)
         token = _ACTIVE.set(recorder)
         cache.update = recorder.update  # the call's own cache object, for this forward only
         try:
-            with _swapped_attention(impl), backend.stream(stream):
+            with _swapped_attention(impl), masks.swapped(mask_module, _ACTIVE), backend.stream(stream):
                 recorder.begin()
                 outputs = model_forward(**kwargs)
                 if len(recording.layers) != len(modules) or recorder.pending is not None:
@@ -281,76 +352,6 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     recording.pool = recorder.pool
     recording.capture_seconds = time.perf_counter() - started
     return recording, outputs
-
-
-# where a forward looks up the torch functions it calls: a name rebound there after the recording (user code setting
-# `torch.nn.functional.silu = ...`) is one stock's next forward calls and a replay never does
-_TORCH_NAMESPACES = (torch, torch.nn.functional, torch._C._nn, torch.special, torch.linalg)
-
-
-def _codes(function, seen: set) -> None:
-    code = getattr(getattr(function, "__func__", function), "__code__", None)
-    while code is None and hasattr(function, "__wrapped__"):  # a decorator's wrapper: the wrapped function's code
-        function = function.__wrapped__
-        code = getattr(function, "__code__", None)
-    stack = [code] if code is not None else []
-    while stack:
-        code = stack.pop()
-        if code not in seen:
-            seen.add(code)
-            stack += [const for const in code.co_consts if hasattr(const, "co_names")]
-    wrapped = getattr(function, "__wrapped__", None)
-    if wrapped is not None and wrapped is not function:
-        _codes(wrapped, seen)
-
-
-def code_names(function) -> set:
-    """Every name the code of `function` (its nested functions and wrapped functions included) looks up."""
-    codes: set = set()
-    _codes(function, codes)
-    names: set = set()
-    for code in codes:
-        names.update(code.co_names)
-    return names
-
-
-def watched_functions(model, module) -> list:
-    """(namespace, name, object) for every torch function or tensor method name the Python a replay skips looks up:
-    the names in the code of each module class's own `forward` / `__call__` (the model's, and torch's own modules')
-    and of the modeling module's functions they call (`module`'s functions). A name rebound in `torch`,
-    `torch.nn.functional`... or set on `torch.Tensor` after the recording makes it stale
-    (`staleness.ModelGraphs.changed`). A pass over the code objects, not a trace of the recording: a function mode or
-    profiler active while recording would change what torch calls (a `TorchFunctionMode` makes `F.silu` look its own
-    name up again)."""
-    codes: set = set()
-    for cls in {type(m) for m in model.modules()}:
-        for klass in cls.__mro__:
-            if klass is torch.nn.Module or klass is object:
-                continue
-            for attr in ("forward", "__call__"):
-                if attr in vars(klass):
-                    _codes(vars(klass)[attr], codes)
-    for value in list(vars(module).values()):
-        if callable(value) and getattr(value, "__module__", None) == module.__name__ and hasattr(value, "__code__"):
-            _codes(value, codes)
-    names = set()
-    for code in codes:
-        names.update(code.co_names)
-    entries = []
-    for namespace in _TORCH_NAMESPACES:
-        table = vars(namespace)
-        entries += [(table, name, table[name]) for name in names if name in table]
-    tensor_table, base = vars(torch.Tensor), torch._C.TensorBase
-    # operators are looked up by the interpreter, not by name in the code (`residual + hidden_states`)
-    names.update(_TENSOR_OPERATORS)
-    entries += [(tensor_table, name, tensor_table.get(name)) for name in names if hasattr(base, name)]
-    return entries
-
-
-_TENSOR_OPERATORS = tuple(f"__{op}__" for op in (
-    "add", "radd", "iadd", "sub", "rsub", "isub", "mul", "rmul", "imul", "truediv", "rtruediv", "itruediv",
-    "matmul", "rmatmul", "pow", "rpow", "neg", "pos", "getitem", "setitem", "and", "or", "invert", "eq", "ne", "lt",
-    "le", "gt", "ge", "mod", "floordiv"))
 
 
 def capture_failure(error: BaseException) -> bool:

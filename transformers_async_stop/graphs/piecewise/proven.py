@@ -16,7 +16,7 @@ keeps its eager forward, with the module named in `last_path().forward`:
 - **no instance-level override**: no `forward`, `_call_impl` or `_wrapped_call_impl` in a module's `__dict__`, and no
   compiled call (`module.compile()` sets `_compiled_call_impl`).
 
-The torch functions and tensor methods the forward's code looks up by name (`graphs.watched_functions`) must be
+The torch functions and tensor methods the forward's code looks up by name (`code_names.watched_functions`) must be
 torch's own objects too (`why_foreign_functions`): one rebound before the first call would otherwise be recorded as
 if it were torch's.
 
@@ -220,7 +220,7 @@ def _torch_code(function) -> bool:
 
 
 def why_foreign_functions(entries) -> str | None:
-    """`graphs.watched_functions` entries (namespace dict, name, object): each must be torch's own object, as torch
+    """`code_names.watched_functions` entries (namespace dict, name, object): each must be torch's own object, as torch
     defines it (a Python function in torch's files, or a builtin of that name), or, for `torch.Tensor`'s table, no
     Python override at all (the method of `torch._C.TensorBase`) or torch's own."""
     for table, name, value in entries:

@@ -22,7 +22,7 @@ import weakref
 import torch
 
 from . import eligibility, proven
-from .graphs import watched_functions
+from .code_names import watched_functions
 
 _STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STORE_LOCK = threading.Lock()
@@ -42,6 +42,8 @@ except ImportError:  # pragma: no cover (torch builds without dynamo)
     _TensorGuards = None
 
 
+_SEEN_MAX = 64  # K-token keys counted towards their second sighting (the count starts again beyond)
+
 class ModelGraphs:
     """One model's recordings, and the state of the model they were made from (no reference to the model itself)."""
 
@@ -49,7 +51,16 @@ class ModelGraphs:
         self.recordings: collections.OrderedDict = collections.OrderedDict()
         self.failed: dict = {}  # key -> why its recording failed (not tried again while the model is unchanged)
         self.pool = None
+        self.seen: collections.Counter = collections.Counter()  # K-token keys -> sightings before their recording
         self._reset()
+
+    def sighting(self, key) -> int:
+        """Count one more sighting of a K-token key not recorded yet; the sightings so far, this one included."""
+        seen = self.seen
+        if len(seen) >= _SEEN_MAX and key not in seen:
+            seen.clear()  # bounded: a schedule drifting across widths starts counting again
+        seen[key] += 1
+        return seen[key]
 
     def _reset(self) -> None:
         self.entries: list = []  # (owner dict, name, object): every submodule, parameter and buffer as recorded
@@ -72,6 +83,7 @@ class ModelGraphs:
 
     def clear(self) -> None:
         self.recordings.clear()
+        self.seen.clear()
         self.failed.clear()
         self.pool = None
         self._reset()

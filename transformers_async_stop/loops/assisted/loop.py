@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 
+from ...graphs import piecewise
 from ...release_checks import cache_kwarg
 from ...control.controller import RngGuard
 from ...sync_free.masking import _tag, _tag_of
@@ -153,6 +154,8 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
       (`draft.DraftRun`);
     - the candidate mask is tagged with the call's mask summary, so the verify forward's SDPA check reads the
       host (`masking.py`);
+    - the verify forward of the rounds after the first replays from CUDA graphs where `piecewise.forward_for` proves
+      it exact (it runs `model` / `model_forward` otherwise, as stock);
     - `synced_gpus` and encoder-decoder models are not ported: such calls run stock (`why_stock`).
     """
     from transformers.generation import candidate_generator as cg_module
@@ -193,6 +196,11 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
     model_forward = model.__call__
     if port.decode_compiled and model._valid_auto_compile_criteria(model_kwargs, generation_config):
         model_forward = model.get_compiled_call(generation_config.compile_config)
+    # the verify forward of the rounds after the first: replayed from CUDA graphs, K tokens wide, where `piecewise`
+    # proves it exact (the releases of the package's own dynamic-cache loop); the first round's is the prefill
+    verify = None
+    if matches("dynamic decode loop"):
+        verify = piecewise.forward_for(model, model_forward, generation_config, verify=True)
 
     try:
         is_first_iteration = True
@@ -235,11 +243,13 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
             model_inputs = model.prepare_inputs_for_generation(candidate_input_ids, **extra, **candidate_kwargs)
             if "logits_to_keep" in model_inputs:
                 model_inputs["logits_to_keep"] = candidate_length + 1
-            if is_first_iteration or not port.decode_compiled:
+            if is_first_iteration:
                 outputs = model(**model_inputs)
+            elif not port.decode_compiled:
+                outputs = (verify or model)(**model_inputs)
             else:
                 with model._optimize_model_for_decode():
-                    outputs = model_forward(**model_inputs)
+                    outputs = (verify or model_forward)(**model_inputs)
             if port.decode_compiled and is_first_iteration and not cache_kwarg.of_output(outputs).is_croppable:
                 raise ValueError("Assisted decoding requires a cache that can be cropped to restore the states after "
                                  "draft verification")
