@@ -209,6 +209,30 @@ class _GraphedVerifyCases:
         self.assertIn(2, kept)
         self.assertNotIn(3, kept)
 
+    def test_the_failed_recordings_remembered_are_capped(self):
+        # one width recorded, then every other refused by the recording: each is remembered (not tried again), at
+        # most the caps' sum of them
+        def refused(*args, **kwargs):
+            raise graphs.NotRecordable("refused by the test")
+
+        target, _helper = self.models()
+        cache = _filled_cache(target, device=self.DEVICE)
+        call = forward.PiecewiseForward(target, target.__call__, None, role="verify")
+        with torch.no_grad():
+            for _ in range(2):
+                call(**_verify_inputs(target, cache, torch.full((1, 2), 5, device=self.DEVICE)))
+                _crop(cache)
+            self.assertEqual(call.replayed, 1)
+            with mock.patch.object(forward, "record", refused):
+                for width in range(3, 30):
+                    for _ in range(2):
+                        call(**_verify_inputs(target, cache, torch.full((1, width), 5, device=self.DEVICE)))
+                        _crop(cache)
+                    self.assertEqual(call.last_eager, "not recordable: refused by the test")
+        failed = forward.graphs_of(target).failed
+        self.assertEqual(len(failed), forward.MAX_KEYS + forward.MAX_WIDE)
+        self.assertEqual(max(key[1] for key in failed), 29)
+
     def test_each_replay_hands_the_attention_stocks_mask(self):
         from transformers.models.llama import modeling_llama
 

@@ -159,13 +159,11 @@ class PiecewiseForward:
             made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
                           "sdpa", graphs.pool, mask_module)
         except NotRecordable as error:
-            graphs.failed[key] = f"not recordable: {error}"
-            return self._eager(graphs.failed[key], inputs)
+            return self._eager(_failed(graphs.failed, key, f"not recordable: {error}"), inputs)
         except CaptureFailed as error:
             # a capture the device refused (a host read inside the forward, say); any other exception is the model's
             # or the user's, which `record` lets through: stock's forward raises it here too
-            graphs.failed[key] = f"capture failed ({error})"
-            return self._eager(graphs.failed[key], inputs)
+            return self._eager(_failed(graphs.failed, key, f"capture failed ({error})"), inputs)
         if made is None:
             return self._eager("another thread is inside generate()", inputs)
         recording, outputs = made
@@ -288,6 +286,15 @@ class PiecewiseForward:
                # the model's dtype, last (`_record` puts the one of the embedding module as it watches it then)
                self.embeddings.weight.dtype)
         return mask, key, None
+
+
+def _failed(failed: dict, key, why: str) -> str:
+    """Remember why `key`'s recording failed (not tried again while the model is unchanged), for at most
+    `MAX_KEYS + MAX_WIDE` keys (the oldest forgotten: tried again once)."""
+    failed[key] = why
+    while len(failed) > MAX_KEYS + MAX_WIDE:
+        del failed[next(iter(failed))]
+    return why
 
 
 def _evict(recordings) -> None:

@@ -82,8 +82,8 @@ class ModelGraphs:
         self.copies: list = []
 
     def clear(self) -> None:
+        # `seen` stays: it counts the widths a caller asks for, which a stale model does not change
         self.recordings.clear()
-        self.seen.clear()
         self.failed.clear()
         self.pool = None
         self._reset()
