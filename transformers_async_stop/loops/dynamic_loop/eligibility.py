@@ -12,7 +12,8 @@ loop", with the processor and criteria lists' own shortcuts). Every other call r
 
 An assistant's draft loop inside a deferred assisted call (`assisted/draft.py`) is taken too: its controller is the
 call's `DraftStop`, its criteria the draft's own (`DraftRun.criteria`), and its prefill is stock's with the
-assistant's `is_first_iteration`.
+assistant's `is_first_iteration` (on a filled cache, each round after the first, `prefill.py`'s port of it, through
+the piecewise forward).
 """
 
 from __future__ import annotations

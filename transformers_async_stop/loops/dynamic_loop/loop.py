@@ -11,7 +11,8 @@ Copied from transformers v5.17.0-v5.24.0 `GenerationMixin._sample` (one source o
 - the stop is read one step late (`AsyncStop`), exactly as the static-cache loop reads it: the verdict of step t is
   read after step t+1's forward is queued; if it says "all finished", step t+1 runs no processor, criterion or
   streamer call and its forward is undone in a returned cache; its random draws are given back;
-- `_has_unfinished_sequences` and the stop-check object are not called: the controller is the stop check.
+- `_has_unfinished_sequences` and the stop-check object are not called: the controller is the stop check;
+- an assistant's prefill on a filled cache runs `prefill.py`'s port of `_prefill` with the decode steps' forward.
 The sequence (`torch.cat` per step), the logits copy, the token selection and the recorded scores and logits are
 stock's own lines.
 """
@@ -25,6 +26,7 @@ from ... import path_report
 from ...graphs import piecewise
 from ...undo.cache_rollback import rollback_one_step, why_not_rollbackable
 from ...control.step_lists import fold_criteria
+from . import prefill
 from .inputs import DecodeInputs
 
 
@@ -49,9 +51,11 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
         else model.__call__
     )
     # the decode steps' forward: replayed from CUDA graphs piece by piece where `piecewise` proves it exact
-    forward = piecewise.forward_for(model, model_forward, generation_config) or model_forward
-    outputs = model._prefill(input_ids, generation_config, model_kwargs,
-                             is_first_iteration=not generation_config.is_assistant)
+    graphed = piecewise.forward_for(model, model_forward, generation_config)
+    forward = graphed or model_forward
+    # stock's `_prefill`, except an assistant's two-token prefill of each assisted round after the first, which goes
+    # through the piecewise forward too (`prefill.py`)
+    outputs = prefill.run(model, input_ids, generation_config, model_kwargs, graphed)
     step_inputs = None  # made at the first decode step; None while stock prepares the inputs
     first = True
     try:
