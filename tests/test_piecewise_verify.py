@@ -200,7 +200,8 @@ class _GraphedVerifyCases:
         widths = range(2, forward.MAX_WIDE + 3)
         with torch.no_grad():
             for width in widths:
-                # width 2 replayed most: it stays; 3 is the least replayed of the rest and the oldest
+                # width 2 replayed most: it stays (its count halved by the eviction, as every other's); 3 is the
+                # least replayed of the rest and the oldest
                 for _ in range(2 + (3 if width == 2 else 1 if width > 3 else 0)):
                     call(**_verify_inputs(target, cache, torch.full((1, width), 5, device=self.DEVICE)))
                     _crop(cache)

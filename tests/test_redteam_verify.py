@@ -3,7 +3,7 @@
 Each test runs assisted decoding (or the verify forward itself) with the flag under the CPU emulation of CUDA graphs
 and compares with unpatched transformers: the sequences, scores and logits, the returned cache, the RNG state after
 the call, what the user code saw, exceptions, module state. The note: docs/red-team/2026-11-27-verify-forward.md.
-Tests marked `# HOLE n` fail on a82662d (`unittest.expectedFailure` keeps the suite green until the fix); the rest
+Tests marked `# HOLE n (fixed)` failed on a82662d and pass since the fixes; the rest
 pin usage that held.
 """
 
@@ -91,7 +91,7 @@ class VerifyRedTeam(unittest.TestCase):
     # Stock's base forward reads such fields at every call (`merge_with_config_defaults`, 5.17-5.24: `is_causal`
     # becomes an attention keyword, `vision_feature_select_strategy` is validated); a replay ran that Python once.
 
-    @unittest.expectedFailure  # HOLE 1: config.is_causal added mid-call is an attention keyword in stock, not in a replay
+    # HOLE 1 (fixed): config.is_causal added mid-call is an attention keyword in stock, not in a replay
     def test_config_is_causal_set_between_verify_rounds_reaches_the_attention_as_in_stock(self):
         target = build("llama")
         cache = _filled_cache(target)
@@ -108,17 +108,17 @@ class VerifyRedTeam(unittest.TestCase):
                 self.assertTrue(torch.equal(out.logits, eager.logits), f"step {step}: {call.last_eager}")
                 _crop(cache)
 
-    @unittest.expectedFailure  # HOLE 1: the same through generate(): the sequences differ from stock's
+    # HOLE 1 (fixed): the same through generate(): the sequences differ from stock's
     def test_config_is_causal_set_by_a_processor_mid_call_equals_stock(self):
         _against_stock(self, lambda model: setattr(model.config, "is_causal", False))
 
-    @unittest.expectedFailure  # HOLE 1: stock's next forward raises (ValueError), the replays return
+    # HOLE 1 (fixed): stock's next forward raises (ValueError), the replays return
     def test_a_config_field_added_mid_call_that_stocks_forward_refuses_raises_as_in_stock(self):
         out = _against_stock(self, lambda model: setattr(model.config, "vision_feature_select_strategy", "bogus"))
         self.assertEqual(out[0][0], "ValueError")
 
     # --- HOLE 2: the cap's eviction drops the recording it has just made -------------------------------------------
-    @unittest.expectedFailure  # HOLE 2: `_evict` runs after the new recording is stored, and it has the fewest replays
+    # HOLE 2 (fixed): `_evict` runs after the new recording is stored, and it has the fewest replays
     def test_a_width_recorded_with_the_cap_full_of_replayed_widths_is_replayed_at_its_next_sighting(self):
         # exact either way; a new width once the cap holds MAX_WIDE replayed widths (the "heuristic" schedule drifting
         # over calls) is captured at every sighting and never replayed: each round pays a capture instead of a forward
@@ -144,7 +144,7 @@ class VerifyRedTeam(unittest.TestCase):
         self.assertEqual(recorded, [12])
 
     # --- HOLE 3: another thread's rebinding of the modeling module's mask function ---------------------------------
-    @unittest.expectedFailure  # HOLE 3: `masks.swapped` restores what it saw, over another thread's rebinding
+    # HOLE 3 (fixed): `masks.swapped` restores what it saw, over another thread's rebinding
     def test_a_mask_function_rebound_by_another_thread_during_a_recording_stays_rebound(self):
         from transformers import masking_utils
         from transformers.models.llama import modeling_llama
@@ -188,7 +188,7 @@ class VerifyRedTeam(unittest.TestCase):
         self.assertIs(modeling_llama.create_causal_mask, users)
 
     # --- HOLE 4: a recorded model is never freed ---------------------------------------------------------------------
-    @unittest.expectedFailure  # HOLE 4: the store's value (`ModelGraphs.modules`, `.dicts`) holds its weak key
+    # HOLE 4 (fixed): the store's value (`ModelGraphs.modules`, `.dicts`) holds its weak key
     def test_a_model_whose_verify_forward_was_recorded_is_freed_with_it(self):
         # `staleness._STORE` is a WeakKeyDictionary whose values must not reach their model; the snapshot keeps
         # `list(model.modules())` (the model first) and every module's `__dict__`: the model, its weights and (CUDA)

@@ -170,7 +170,7 @@ class PiecewiseForward:
         graphs.pool = recording.pool
         graphs.recordings[key] = recording
         graphs.sizes = list(map(len, graphs.dicts))  # what transformers' own forward set on its modules while recorded
-        _evict(graphs.recordings)
+        _evict(graphs.recordings, key)
         if self.role == "verify":
             # the recording's logits buffer is the next replay's: the caller gets its own copy, as every replay's
             outputs = type(outputs)(logits=outputs.logits.clone(), **cache_kwarg.output_field(cache_kwarg.get(inputs)))
@@ -297,14 +297,22 @@ def _failed(failed: dict, key, why: str) -> str:
     return why
 
 
-def _evict(recordings) -> None:
-    """Drop recordings beyond the caps: one-token keys least recently used first (`MAX_KEYS`), K-token keys least
-    replayed first, the least recently used of those on a tie (`MAX_WIDE`)."""
+def _evict(recordings, made) -> None:
+    """Drop recordings beyond the caps after `made` was recorded: one-token keys least recently used first
+    (`MAX_KEYS`); K-token keys (`MAX_WIDE`) least replayed first, the least recently used of those on a tie, never the
+    one just made (it has had no replay yet: dropping it would record it again at every sighting, red team hole 2).
+    Each eviction halves the others' counts first, so widths an earlier call used often give way to the ones in use
+    now (a "heuristic" schedule drifts across calls)."""
     narrow = [key for key in recordings if key[1] == 1]
     while len(narrow) > MAX_KEYS:
         del recordings[narrow.pop(0)]
-    wide = [key for key in recordings if key[1] != 1]
-    while len(wide) > MAX_WIDE:
+    if made[1] == 1:
+        return
+    wide = [key for key in recordings if key[1] != 1 and key != made]
+    if len(wide) >= MAX_WIDE:
+        for key in wide:
+            recordings[key].uses //= 2
+    while len(wide) >= MAX_WIDE:
         least = min(wide, key=lambda key: recordings[key].uses)  # `min` keeps the first (least recent) on a tie
         wide.remove(least)
         del recordings[least]

@@ -138,14 +138,15 @@ def _swapped_attention(impl: str):
     local = ALL_ATTENTION_FUNCTIONS._local_mapping
     had, before = impl in local, local.get(impl)
     original = ALL_ATTENTION_FUNCTIONS[impl]
-    local[impl] = _intercept(original)
+    mine = local[impl] = _intercept(original)
     try:
         yield
     finally:
-        if had:
-            local[impl] = before
-        else:
-            local.pop(impl, None)
+        if local.get(impl) is mine:  # another thread's registration meanwhile stays (red team hole 3)
+            if had:
+                local[impl] = before
+            else:
+                local.pop(impl, None)
 
 
 class _Recorder:

@@ -85,10 +85,13 @@ def swapped(module, active):
         return
     table = vars(module)
     before = {name: table[name] for name in MASK_FUNCTIONS if name in table}
-    for name, original in before.items():
-        setattr(module, name, _intercept(name, original, active))
+    mine = {name: _intercept(name, original, active) for name, original in before.items()}
+    for name, interceptor in mine.items():
+        setattr(module, name, interceptor)
     try:
         yield
     finally:
         for name, original in before.items():
-            setattr(module, name, original)
+            # another thread's rebinding meanwhile stays (red team hole 3): only our own interceptor is undone
+            if table.get(name) is mine[name]:
+                setattr(module, name, original)

@@ -44,6 +44,10 @@ except ImportError:  # pragma: no cover (torch builds without dynamo)
 
 _SEEN_MAX = 64  # K-token keys counted towards their second sighting (the count starts again beyond)
 
+
+def _NO_MODEL():  # `ModelGraphs.root` before any snapshot
+    return None
+
 class ModelGraphs:
     """One model's recordings, and the state of the model they were made from (no reference to the model itself)."""
 
@@ -67,7 +71,8 @@ class ModelGraphs:
         self.functions: list = []  # (namespace, name, object): the torch names the replayed Python looks up
         self._functions: list = []  # `functions` by their namespace's type: (its `get`, three lists)
         self._columns: tuple = ([], [], [])  # `entries` as three lists
-        self.modules: list = []  # every module of the model as recorded, and its class (`module.__class__ = X`)
+        self.root, self.root_class = _NO_MODEL, None  # the model (a weak reference) and its class, as recorded
+        self.modules: list = []  # every other module of the model as recorded, and its class (`module.__class__ = X`)
         self.classes: list = []
         self.tensors: list = []  # every parameter and buffer (and tensor attribute), and its storage's address
         self.pointers: list = []
@@ -90,9 +95,12 @@ class ModelGraphs:
 
     def snapshot(self, model) -> None:
         entries, tensors = [], []
-        self.modules = list(model.modules())
+        # the model itself by a weak reference: this store is the value of a `WeakKeyDictionary` keyed by the model,
+        # and a strong one here would keep the model, its weights and its graph pool alive for good (red team hole 4)
+        self.root, self.root_class = weakref.ref(model), type(model)
+        self.modules = list(model.modules())[1:]
         self.classes = list(map(type, self.modules))
-        for module in self.modules:
+        for module in (model, *self.modules):
             for name, child in module._modules.items():
                 entries.append((module._modules, name, child))
             for table in (module._parameters, module._buffers):
@@ -106,7 +114,7 @@ class ModelGraphs:
             # the hook tables as objects: the per-step check reads the tables it found (`PiecewiseForward._watch`), so
             # one replaced by another (`m._forward_hooks = OrderedDict(...)`) would go unseen
             entries += [(module.__dict__, name, module.__dict__.get(name)) for name in _HOOK_TABLES]
-        attributes = _attribute_entries(model)
+        attributes, config_dicts = _attribute_entries(model)
         entries += attributes
         # a tensor held as a plain attribute (a weight swapped in with `del m.weight; m.weight = t`) is read by the
         # replay at its recorded address, as a parameter is: `t.data = x` keeps the object and moves its storage
@@ -121,17 +129,19 @@ class ModelGraphs:
         self.copies = copy.deepcopy(self.contents)
         # a module appended to a ModuleList (GPT-2's forward runs every block of `self.h`) adds a key, which the
         # entries above (the children as recorded) cannot show
-        self.lists = [module._modules for module in self.modules if type(module) is torch.nn.ModuleList]
+        self.lists = [module._modules for module in (model, *self.modules) if type(module) is torch.nn.ModuleList]
         self.lengths = list(map(len, self.lists))
         # an attribute added to a module's `__dict__` (red team holes R5b, R14b: an instance function shadowing a
         # method, an unregistered module shadowing a child, set mid-call): the model is proven again
-        self.dicts = [module.__dict__ for module in self.modules]
+        # a field added to a config (`config.is_causal = False` set by a processor: stock's next forward reads it, a
+        # replay keeps what the recording read; red team hole 1 of the verify forward) likewise
+        self.dicts = [module.__dict__ for module in (model, *self.modules)] + config_dicts
         self.sizes = list(map(len, self.dicts))
         base = eligibility.base_of(model)
         # the torch names the replayed Python looks up, and torch's module internals every module call runs
         # (`Module._call_impl`, `__getattr__`...: rebound mid-call, stock's later steps run the new code)
         self.functions = watched_functions(model, sys.modules[type(base).__module__]) + proven.torch_internals(
-            self.classes)
+            [self.root_class, *self.classes])
         self._columns = _columns(entries)
         # a module's dict or a class's (a mappingproxy): each kind's own `get`, mapped from C
         kinds: dict = {}
@@ -154,7 +164,8 @@ class ModelGraphs:
         for get, tables, names, values in self._functions:
             if any(map(operator.is_not, map(get, tables, names), values)):
                 return True
-        if list(map(type, self.modules)) != self.classes:
+        root = self.root()
+        if root is None or type(root) is not self.root_class or list(map(type, self.modules)) != self.classes:
             return True  # a class swapped under the recording (`module.__class__ = Subclass`)
         if list(map(len, self.lists)) != self.lengths:
             return True  # a module added to a ModuleList
@@ -218,8 +229,8 @@ def _attribute_entries(model) -> list:
     with "_", excluded) and every field of the configs the modules hold (`self.config.num_hidden_layers`...). User
     code that rebinds one, between calls or from a criterion mid-call, makes the recordings stale, as stock reads the
     new value at its next forward. Compared by identity (a rebinding to an equal value only records again), and
-    containers also by their contents (`ModelGraphs.contents`)."""
-    entries, configs, seen = [], {}, set()
+    containers also by their contents (`ModelGraphs.contents`). Also the configs' `__dict__`s (a field added)."""
+    entries, configs, seen, dicts = [], {}, set(), []
     for module in model.modules():
         table = module.__dict__
         for name, value in table.items():
@@ -234,11 +245,12 @@ def _attribute_entries(model) -> list:
             continue
         seen.add(key)
         table = config.__dict__
+        dicts.append(table)
         for name, value in table.items():
             entries.append((table, name, value))
             if type(value).__module__.startswith("transformers") and hasattr(value, "to_dict"):
                 configs[id(value)] = value
-    return entries
+    return entries, dicts
 
 
 def graphs_of(model) -> ModelGraphs:
