@@ -123,8 +123,10 @@ def last_is_eos(input_ids, tokens, length, eos_ids):
     """`EosTokenCriteria` on the sequence after this round: is its last token an EOS? (0-d bool, on the device)
 
     The last token is `tokens[length - 1]`, or the previous last one when nothing was kept (4.57-5.17 can keep
-    nothing in a round without candidates that starts on an EOS)."""
-    last = torch.cat((input_ids[0, -1:], tokens[0])).gather(0, length.view(1))
+    nothing in a round without candidates that starts on an EOS). A call from `inputs_embeds` alone starts with no
+    token at all: there the previous last is a -1, no EOS id (fuzzer seed 15: the gather ran past the end)."""
+    previous = input_ids[0, -1:] if input_ids.shape[1] else tokens.new_full((1,), -1)
+    last = torch.cat((previous, tokens[0])).gather(0, length.view(1))
     hit = None
     for ids in eos_ids:
         found = (last[:, None] == ids.to(last.device).reshape(1, -1)).any()
