@@ -10,7 +10,12 @@ a minimal scenario, printed as JSON that `--scenario '<json>'` replays. On CPU t
 (TRANSFORMERS_ASYNC_STOP_FORCE=1, as the CPU test suite does). `--graphed` sets issue 27's dimension on every
 scenario (threads included) instead of the drawn value: `emulated` runs the flag run under the CPU emulation of CUDA
 graphs; `--drawn-for cuda` draws the seeds as a CUDA run does (to replay a CUDA run's seeds on the CPU). The counts
-end with how many flag runs took the graphed forward in at least one call (`graphed`).
+end with how many flag runs took the graphed forward in at least one call (`graphed`), and for issue 32 how many
+scenarios draw assisted decoding or prompt lookup (`assisted`) and in how many flag runs its verify forward replayed
+from the graphs in some call (`graphed_verify`) and in the last call (`graphed_verify_last`). `--require assisted`
+runs only seeds drawing that key (--draws of them, from --seed on):
+
+    python scripts/usage_fuzz.py --require assisted --draws 300 --workers 2
 
 `--workers N` (and any run on CUDA) runs the seeds in worker processes that report each seed as it ends. A worker
 that dies (a CUDA device-side assert ends the process's CUDA context, and every later scenario in it would fail) has
@@ -50,6 +55,8 @@ def main():
     ap.add_argument("--graphed", default="", choices=("", "emulated", "off", "natural"),
                     help="issue 27's dimension for every scenario (default: as drawn)")
     ap.add_argument("--drawn-for", default="", help="draw the seeds for this device (default: --device)")
+    ap.add_argument("--require", default="", help="only seeds whose scenario draws this key (e.g. `assisted`): "
+                                                  "--draws of them, from --seed on")
     ap.add_argument("--progress", default="", help=argparse.SUPPRESS)  # a worker's per-seed report (JSON lines)
     args = ap.parse_args()
     if not args.scenario and not args.progress and (args.workers > 1 or args.device != "cpu"):
@@ -61,7 +68,7 @@ def main():
     if "*" in fake:  # (test-only: every seed is faked, nothing is run or imported)
         import types
 
-        usage_runner = types.SimpleNamespace(LAST_FORWARD=[])
+        usage_runner = types.SimpleNamespace(LAST_FORWARD=[], LAST_VERIFY=[])
         usage_dimensions = types.SimpleNamespace(reached=lambda sc: set())
         check = dumps = shrink = None
         version = "fake"
@@ -81,8 +88,7 @@ def main():
     if args.scenario:
         scenarios = [(None, json.loads(args.scenario))]
     else:
-        seeds = [int(s) for s in args.only.split(",") if s.strip()] or range(args.seed, args.seed + args.draws)
-        scenarios = [(s, draw(s, args.drawn_for or args.device)) for s in seeds]
+        scenarios = [(s, draw(s, args.drawn_for or args.device)) for s in _seeds(args)]
     if args.graphed:
         for _, sc in scenarios:
             for s in (sc, sc.get("threads", {}).get("other")):
@@ -112,12 +118,19 @@ def main():
         if mode == "exit":
             os._exit(3)  # (test-only: a worker dying inside a scenario)
         usage_runner.LAST_FORWARD.clear()
+        usage_runner.LAST_VERIFY.clear()
         status, detail = (("crashed", "RuntimeError outside generate(): CUDA error: device-side assert triggered "
                            "(simulated by TAS_USAGE_FUZZ_FAKE)") if mode == "assert"
                           else ("pass", "") if mode == "pass" else outcome(sc))
         counts["drawn"] += 1
         graphed = any((path or "").startswith("graphed") for path in usage_runner.LAST_FORWARD)
         counts["graphed"] += graphed
+        # issue 32: assisted scenarios, and the flag runs whose verify forward replayed in some call / the last call
+        verify = [(path or "").startswith("graphed") for path in usage_runner.LAST_VERIFY]
+        graphed_verify = (any(verify), bool(verify) and verify[-1])
+        counts["assisted"] += "assisted" in sc
+        counts["graphed_verify"] += graphed_verify[0]
+        counts["graphed_verify_last"] += graphed_verify[1]
         if counts["drawn"] % 25 == 0:
             print(f"  {counts['drawn']} drawn, {time.time() - start:.0f}s: {dict(counts)}", flush=True)
         counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(status, status)] += 1
@@ -128,7 +141,8 @@ def main():
             print(f"FAIL seed {seed} (CUDA unusable after it, stopping): {detail[:400]}", flush=True)
             failures.append({"seed": seed, "detail": detail, "scenario": sc})
             counts["crashed"] += 1
-            report(seed=seed, status="crashed", graphed=graphed, failure=failures[-1])
+            report(seed=seed, status="crashed", graphed=graphed, graphed_verify=graphed_verify,
+                   assisted="assisted" in sc, failure=failures[-1])
             break  # (no `done` line: the parent re-runs the seeds after this one in a fresh worker)
         if status in ("fail", "crashed"):
             print(f"FAIL seed {seed}: {detail[:2000]}", flush=True)
@@ -141,7 +155,8 @@ def main():
                              "shrunk_outcome": again})
             print(f"  shrunk: {dumps(small)}\n  re-run: {again[0] if again else '-'}: "
                   f"{(again[1] if again else '')[:600]}", flush=True)
-        report(seed=seed, status=status, graphed=graphed, failure=failures[-1] if status in ("fail", "crashed") else None,
+        report(seed=seed, status=status, graphed=graphed, graphed_verify=graphed_verify, assisted="assisted" in sc,
+               failure=failures[-1] if status in ("fail", "crashed") else None,
                skip=detail if status == "stock_err" else None)
         if status in ("fail", "crashed") and len(failures) >= args.max_failures:
             print("stopping: --max-failures reached")
@@ -151,7 +166,8 @@ def main():
         report(done=True)
     elapsed = time.time() - start
     print(f"transformers {version} device {args.device}: " +
-          " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed")) +
+          " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed",
+                                                "assisted", "graphed_verify", "graphed_verify_last")) +
           f" in {elapsed:.0f}s ({time.process_time() - cpu0:.0f}s of CPU)")
     for reason, n in skips.most_common(8):
         print(f"  skipped {n}: stock raised {reason}")
@@ -164,6 +180,21 @@ def main():
             json.dump({"transformers": version, "device": args.device, "counts": counts,
                        "seconds": elapsed, "failures": failures, "skips": skips}, f, indent=1, default=str)
     return 1 if failures else 0
+
+
+def _seeds(args):
+    """The seeds to run: --only's, or --draws from --seed on (with --require, --draws of those drawing that key)."""
+    only = [int(s) for s in args.only.split(",") if s.strip()]
+    if only or not args.require:
+        return only or range(args.seed, args.seed + args.draws)
+    from usage_scenarios import draw
+
+    out, seed = [], args.seed
+    while len(out) < args.draws:
+        if args.require in draw(seed, args.drawn_for or args.device):
+            out.append(seed)
+        seed += 1
+    return out
 
 
 def _skip_reason(detail: str) -> str:
@@ -211,7 +242,7 @@ def _fan_out(args) -> int:
     import subprocess
     import tempfile
 
-    seeds = [int(x) for x in args.only.split(",") if x.strip()] or list(range(args.seed, args.seed + args.draws))
+    seeds = list(_seeds(args))
     tmp = tempfile.mkdtemp(prefix="usage_fuzz_")
     pending = [seeds[w::args.workers] for w in range(args.workers) if seeds[w::args.workers]]
     running, records, spawned, stopped, version, start = [], {}, 0, False, "?", time.time()
@@ -276,6 +307,9 @@ def _fan_out(args) -> int:
     for rec in records.values():
         counts["drawn"] += 1
         counts["graphed"] += bool(rec.get("graphed"))
+        counts["assisted"] += bool(rec.get("assisted"))
+        counts["graphed_verify"] += bool((rec.get("graphed_verify") or (False, False))[0])
+        counts["graphed_verify_last"] += bool((rec.get("graphed_verify") or (False, False))[1])
         counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(rec["status"],
                                                                                         rec["status"])] += 1
         if rec.get("skip"):
@@ -284,7 +318,7 @@ def _fan_out(args) -> int:
     failures = [records[s]["failure"] for s in seeds if s in records and records[s].get("failure")]
     print(f"TOTAL transformers {version} device {args.device} workers {args.workers}: " +
           " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed",
-                                                "not_run")) +
+                                                "assisted", "graphed_verify", "graphed_verify_last", "not_run")) +
           f" accounted={counts['drawn'] + counts['not_run']}/{len(seeds)} respawned={spawned - len(seeds[:args.workers])}"
           f" in {time.time() - start:.0f}s")
     for reason, n in skips.most_common(8):

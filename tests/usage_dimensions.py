@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import random
 
+import usage_assisted_draws
 import usage_module_draws
 
 VOCAB = 48
@@ -180,12 +181,14 @@ def add(sc: dict, device: str) -> None:
                     turn["eos"] = None
     _graphed(sc, device)
     usage_module_draws.add(sc, device)  # issue 31's user modules (their own random stream)
+    usage_assisted_draws.add(sc, device)  # issue 32's assisted decoding and prompt lookup (the same)
 
 
 def candidates(sc: dict, variant):
     """Simpler variants of `sc` along these dimensions (for usage_scenarios.shrink)."""
     if sc.get("graphed") in ("emulated", "natural"):  # (a failure that stays with the path off is not the path's)
         yield variant(lambda s: s.__setitem__("graphed", "off"))
+    yield from usage_assisted_draws.candidates(sc, variant)
     yield from usage_module_draws.candidates(sc, variant)
     for key in ("grad", "rope"):
         if key in sc:
@@ -239,7 +242,7 @@ def reached(sc: dict) -> set:
                 out.add(f"edit_ids:criterion:{c['col']}")
             if "ret" in c:
                 out.update(("ret_shape:" + c["ret"]["shape"], "ret_dtype:" + c["ret"]["dtype"]))
-    return out | usage_module_draws.reached(sc)
+    return out | usage_module_draws.reached(sc) | usage_assisted_draws.reached(sc)
 
 
 def every_value(device: str = "cpu") -> set:
@@ -251,4 +254,4 @@ def every_value(device: str = "cpu") -> set:
     out |= {"width:widen", "width:narrow"} | {"after_width:" + n for n in WIDEN_THEN}
     out |= {f"edit_ids:{role}:{col}" for role in ("processor", "criterion") for col in (-1, -2, 0)}
     out |= {"ret_shape:col", "ret_shape:row"} | {"ret_dtype:" + d for d in RET_DTYPES}
-    return out
+    return out | usage_assisted_draws.every_value()

@@ -31,6 +31,7 @@ import transformers_async_stop as tas
 
 from adversarial_helpers import Boom, Interrupt, cache_state, config_cache, judge_model, static_cache
 from models import PAD, build, stock
+import usage_assisted_draws
 import usage_modules
 import usage_mutators
 from usage_callbacks import Context, KeepingStreamer, make_criterion, make_processor, observed
@@ -41,6 +42,7 @@ from usage_state import alias_signature, grad_context, graphed_context, module_s
 VOCAB = 48
 ROOMY = 100
 LAST_FORWARD: list = []  # the last `check`'s flag run: each call's `last_path().forward` (the fuzzer's counts)
+LAST_VERIFY: list = []  # and each call's `last_path().verify` (assisted decoding's verify forward, issue 32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,9 +65,13 @@ class Result:
         self.stock_err = None  # (turn, type, message) of a non-Boom exception
         self.where = {}  # turn -> where its exception was raised (the last frames; not compared, printed on a failure)
         self.forward = []  # per turn: `last_path().forward` of the flag run's call (not compared: stock has none)
+        self.verify = []  # per turn: `last_path().verify` of the flag run's call (the same)
 
 
-def _tokens(seed, shape, device):
+def _tokens(seed, shape, device, sc=None):
+    repeated = usage_assisted_draws.tokens(sc or {}, seed, shape, device)  # (issue 32: n-grams for prompt lookup)
+    if repeated is not None:
+        return repeated
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, shape, generator=g).to(device)
 
@@ -182,6 +188,7 @@ def _model(sc, device, model_seed, shared=False):
     dtype = sc.get("dtype", "float32")
     mutates = any(t.get("before") or any(c["kind"] == "mutator" for c in t["processors"] + t["criteria"])
                   for t in sc["turns"]) or bool(sc.get("user_module"))  # (issue 31: a user module changes it)
+    mutates = mutates or usage_assisted_draws.needs_own_model(sc)  # (issue 32: a copy sharing its config)
     # an emulated graphed scenario (issue 27) too: transformers keeps the output-capturing hooks a call asking for
     # hidden states installed on a shared model, and every later scenario's graphed forward would step aside there
     # (not for two threads: they share the cached model, and each thread's scenario runs with `shared`)
@@ -201,18 +208,19 @@ def _inputs(sc, turn, t, model, device, state, result, rooms, grad):
     batch = turn["batch"]
     conv, mask, cache = state["conv"], state["mask"], state["cache"]
     if conv is None or turn.get("restart") or batch != conv.shape[0]:
-        conv = _tokens(sc["seed"] * 101 + t, (batch, turn["prompt_len"]), device)
+        conv = _tokens(sc["seed"] * 101 + t, (batch, turn["prompt_len"]), device, sc)
         mask = torch.ones_like(conv)
         if turn["left_pad"]:
             for row in range(batch):
-                pad = min(row % 3, turn["prompt_len"] - 1)
+                # (a batch-1 assisted scenario pads its row as drawn: issue 32)
+                pad = min(row % 3 or usage_assisted_draws.first_row_pad(sc), turn["prompt_len"] - 1)
                 conv[row, :pad], mask[row, :pad] = PAD, 0
         if not (turn.get("stale_cache") and cache is not None):
             with contextlib.nullcontext() if grad == "inference_mode" else torch.inference_mode(False):
                 cache = _new_cache(sc, model, batch, result, rooms)
             state["cache_i"] = len(result.used) - 1
     else:
-        user = _tokens(sc["seed"] * 101 + t, (batch, turn["user_len"]), device)
+        user = _tokens(sc["seed"] * 101 + t, (batch, turn["user_len"]), device, sc)
         conv, mask = torch.cat([conv, user], 1), torch.cat([mask, torch.ones_like(user)], 1)
     state.update(conv=conv, mask=mask, cache=cache)
 
@@ -224,14 +232,16 @@ def run_scenario(sc, flag, device="cpu", rooms=None, rng_draws=True, model_seed=
     if reset:
         _fresh(model)
     user = usage_modules.install(sc, model, device)  # issue 31: the user's own modules (None: none drawn)
+    target = model if user is None else user.model
+    helper = usage_assisted_draws.assistant(sc, target, device)  # issue 32 (None: none, or prompt lookup)
     try:
-        return _turns(sc, flag, device, rooms, rng_draws, measure, model if user is None else user.model, judge, user)
+        return _turns(sc, flag, device, rooms, rng_draws, measure, target, judge, user, helper)
     finally:
         if user is not None:
             user.close()  # (torch's backend settings and the module globals put back)
 
 
-def _turns(sc, flag, device, rooms, rng_draws, measure, model, judge, user) -> Result:
+def _turns(sc, flag, device, rooms, rng_draws, measure, model, judge, user, helper=None) -> Result:
     result = Result()
     result.measure = measure
     torch.manual_seed(sc["seed"])
@@ -265,6 +275,7 @@ def _turns(sc, flag, device, rooms, rng_draws, measure, model, judge, user) -> R
             if key in turn:
                 kwargs[key] = turn[key]
         kwargs["return_dict_in_generate"] = turn["return_dict"]
+        kwargs.update(usage_assisted_draws.call_kwargs(sc, helper))
         if turn.get("alias_probe"):  # the probe looks at the per-step scores and logits: both asked for
             kwargs.update(return_dict_in_generate=True, output_scores=True, output_logits=True)
         if cache is not None:
@@ -315,6 +326,7 @@ def _turns(sc, flag, device, rooms, rng_draws, measure, model, judge, user) -> R
         finally:
             usage_mutators.restore_classes()
         result.forward.append(getattr(path, "forward", None) if flag else None)
+        result.verify.append(getattr(path, "verify", None) if flag else None)
         if err is not None:
             exc, err = err, (type(err).__name__, str(err))
             result.where[t] = "".join(traceback.format_exception(exc)[-4:])
@@ -329,6 +341,10 @@ def _turns(sc, flag, device, rooms, rng_draws, measure, model, judge, user) -> R
             entry["before"] = _norm(before.observe())
         if user is not None:
             entry["user"] = _norm(user.observe())
+        if helper is not None:  # the assistant's generation config, and a draft's own state
+            entry["assistant"] = usage_assisted_draws.observe(helper)
+            if sc["assisted"]["kind"] == "draft":
+                entry["draft_modules"] = _module_state(helper)
         if ctx.alias_probe:
             entry["alias"] = _aliases(out, procs + crits, streamer)
         if rng_draws:
@@ -423,6 +439,7 @@ def _raised(result) -> str:
 def check(sc, device="cpu"):
     """('pass' | 'fail' | 'stock_err', detail) for one scenario."""
     LAST_FORWARD.clear()
+    LAST_VERIFY.clear()
     if "threads" in sc:
         from usage_threads import check_threads  # (it runs this module's scenarios)
 
@@ -432,6 +449,7 @@ def check(sc, device="cpu"):
         ref = run_scenario(sc, False, device, rooms)
     on = run_scenario(sc, True, device, rooms)
     LAST_FORWARD[:] = on.forward
+    LAST_VERIFY[:] = on.verify
     d = diff(ref.trace, on.trace, "turns")
     if d:
         return "fail", d + _raised(on)
