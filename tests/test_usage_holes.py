@@ -15,6 +15,7 @@ import unittest
 import torch
 from parameterized import parameterized
 
+from models import TRANSFORMERS_VERSION
 from usage_runner import check
 from usage_scenarios import TAKES_CACHE_POSITION
 
@@ -158,6 +159,31 @@ class UsageHoles(unittest.TestCase):
         one = turn(batch=2, prompt_len=2, user_len=1, embeds=True, eos=[36], max_new_tokens=4, criteria=crits,
                    return_dict=True)
         self.assert_as_stock(scenario("returned_static", [one], seed=1620), may_raise=True)
+
+    # --- issue 32: assisted decoding and prompt lookup (usage_assisted_draws.py) -----------------------------------
+    def test_prompt_lookup_from_inputs_embeds_with_eos_ids(self):
+        # fuzzer seed 15 (5.17.0-5.24.0): prompt lookup (or a draft model, one new token) from inputs_embeds alone,
+        # with EOS ids: stock returns the new tokens, the flag raised "RuntimeError: index 1 is out of bounds for
+        # dimension 0 with size 1" in acceptance.last_is_eos (the round's previous last token, of no input ids).
+        # 5.0.0: stock raises itself (the scenario is skipped there)
+        only = turn(batch=1, prompt_len=2, user_len=1, embeds=True, eos=[25], max_new_tokens=1)
+        self.assert_as_stock(scenario("none", [only], seed=15, family="qwen2",
+                                      assisted={"kind": "lookup", "tokens": 1}))
+
+    @unittest.skipUnless(TRANSFORMERS_VERSION >= (5, 21), "seen on 5.23.0, 5.24.0 (5.17.0 and 5.0.0 pass)")
+    @unittest.expectedFailure
+    def test_a_draft_whose_sequence_holds_the_pad_id(self):
+        # HOLE (fuzzer seed 234, 5.24.0 and 5.23.0): a call without pad_token_id on an all-ones mask, whose target
+        # emits the pad id (0) as a round's own token: stock drops the all-ones mask, and each of the assistant's
+        # generate() calls infers one from the pad id of the assistant's generation config, masking that token
+        # (its draft forwards get [1, ..., 1, 0, 1]); the flag's draft runs without a mask, drafts other tokens,
+        # and the sequences differ from position 10
+        only = turn(batch=1, prompt_len=3, user_len=5, eos=None, max_length_extra=10, pad_omitted=True,
+                    config_procs={"repetition_penalty": 2.0}, processors=[{"kind": "counter", "token": 4}])
+        del only["max_new_tokens"]
+        assisted = {"kind": "copy", "bare": True, "shared": False, "schedule": "constant", "threshold": 0.0,
+                    "tokens": 2}
+        self.assert_as_stock(scenario("returned_dynamic", [only], seed=234, family="gpt2", assisted=assisted))
 
 
 @unittest.skipUnless(CUDA, "CUDA only")
