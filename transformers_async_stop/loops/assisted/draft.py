@@ -140,6 +140,12 @@ class DraftRun:
             return False  # flash attention keeps the mask with a static cache
         config = kwargs.get("generation_config") or self.generator.generation_config
         pad, eos = config.pad_token_id, config.eos_token_id
+        if pad is None:
+            # 5.21+ fills a field the passed config leaves unset from the assistant's own generation config: its pad
+            # id then masks that token in every draft forward where the sequence holds it (fuzzer seed 234). Taken
+            # whatever the release: where stock would build ones after all, no mask is handed and the assistant
+            # builds its own, as stock does (one read)
+            pad = getattr(getattr(assistant, "generation_config", None), "pad_token_id", None)
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         if pad is None or (isinstance(pad, int) and pad in eos):
             return True  # no pad id (it becomes the first EOS id), or pad is an EOS id: stock builds ones
