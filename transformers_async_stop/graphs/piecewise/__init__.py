@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ... import path_report
 from .eligibility import PIECEWISE_ENV, why_not_model
-from .forward import PiecewiseForward
+from .forward import PiecewiseForward, tell
 
 __all__ = ["PIECEWISE_ENV", "forward_for"]
 
@@ -56,9 +56,6 @@ def forward_for(model, model_forward, generation_config, verify=False):
     why = why_not_model(model, model_forward)
     if why is not None:
         if report is not None:
-            if role == "verify":
-                report.verify = f"eager: {why}"
-            else:
-                report.forward = f"{'draft ' if role == 'draft' else ''}eager: {why}"
+            tell(report, role, f"eager: {why}")
         return None
     return PiecewiseForward(model, model_forward, report, role=role)

@@ -36,6 +36,10 @@ def code_names(function) -> set:
     """Every name the code of `function` (its nested functions and wrapped functions included) looks up."""
     codes: set = set()
     _codes(function, codes)
+    return _names(codes)
+
+
+def _names(codes) -> set:
     names: set = set()
     for code in codes:
         names.update(code.co_names)
@@ -61,9 +65,7 @@ def watched_functions(model, module) -> list:
     for value in list(vars(module).values()):
         if callable(value) and getattr(value, "__module__", None) == module.__name__ and hasattr(value, "__code__"):
             _codes(value, codes)
-    names = set()
-    for code in codes:
-        names.update(code.co_names)
+    names = _names(codes)
     entries = []
     for namespace in _TORCH_NAMESPACES:
         table = vars(namespace)

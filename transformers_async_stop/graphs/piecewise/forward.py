@@ -60,7 +60,7 @@ class PiecewiseForward:
             raise ValueError(f"role={role!r}: one of {ROLES}")
         self.model, self.eager, self.report = model, model_forward, report
         self.role = role
-        self.draft = role == "draft"  # an assistant's draft loop: batch 1, reported with a "draft " prefix
+        self.draft = role == "draft"  # an assistant's draft loop (batch 1)
         self.wide = role != "decode"  # takes forwards of K > 1 tokens (batch 1)
         self.graphs = graphs_of(model)
         self.family = eligibility.family_of(model)
@@ -173,7 +173,7 @@ class PiecewiseForward:
         _evict(graphs.recordings, key)
         if self.role == "verify":
             # the recording's logits buffer is the next replay's: the caller gets its own copy, as every replay's
-            outputs = type(outputs)(logits=outputs.logits.clone(), **cache_kwarg.output_field(cache_kwarg.get(inputs)))
+            outputs = recording.output(cache_kwarg.get(inputs), fresh_logits=True)
         return self._replayed(outputs)
 
     def _replayed(self, outputs):
@@ -199,10 +199,7 @@ class PiecewiseForward:
             text = f"graphed ({pieces} pieces): {self.replayed} {steps}{tail}"
         else:
             text = f"eager: {self.last_eager}"
-        if self.role == "verify":
-            report.verify = text
-        else:
-            report.forward = f"draft {text}" if self.draft else text
+        tell(report, self.role, text)
 
     def _attention(self):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -286,6 +283,15 @@ class PiecewiseForward:
                # the model's dtype, last (`_record` puts the one of the embedding module as it watches it then)
                self.embeddings.weight.dtype)
         return mask, key, None
+
+
+def tell(report, role: str, text: str) -> None:
+    """Write a forward's path into the call's report: the verify forward's in `verify`, the others' in `forward` (a
+    draft's prefixed "draft ")."""
+    if role == "verify":
+        report.verify = text
+    else:
+        report.forward = f"draft {text}" if role == "draft" else text
 
 
 def _failed(failed: dict, key, why: str) -> str:

@@ -46,10 +46,9 @@ from ...release_checks import cache_kwarg
 from ...state import concurrency
 from ..backend import backend_for
 from . import masks
-from .masks import POSITIONS
+from .masks import POSITIONS, SCALARS
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)
-_SCALARS = (bool, int, float, str, type(None))
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
@@ -100,6 +99,10 @@ class Recording:
                                   **kwargs)[0]
             out.copy_(result)
             graphs[i + 1].replay()
+        return self.output(cache, fresh_logits)
+
+    def output(self, cache, fresh_logits=False):
+        """The forward's output: the logits buffer (a copy of it with `fresh_logits`) and the cache."""
         logits = self.logits.clone() if fresh_logits else self.logits
         return self.output_type(logits=logits, **cache_kwarg.output_field(cache))
 
@@ -152,15 +155,15 @@ def _swapped_attention(impl: str):
 class _Recorder:
     """The state of one recording forward (see the module docstring)."""
 
-    def __init__(self, recording: Recording, cache, modules, real_mask, main, stream, pool, backend, mask_module=None):
+    def __init__(self, recording: Recording, cache, modules, real_mask, main, stream, pool, backend):
         self.rec, self.cache, self.modules, self.real_mask = recording, cache, modules, real_mask
         self.main, self.stream, self.pool, self.backend = main, stream, pool, backend
-        # K > 1: the modeling module whose mask calls are recorded (`real_mask` is then the step's own mask), the
-        # sentinel each call returned and the real masks, made before the first cache update as stock makes them
-        self.mask_module = mask_module
+        # K > 1 (`recording.mask_module` set; `real_mask` is then the step's own mask): one sentinel per possible mask
+        # call (made by `record` before the capture: the i-th call returns the i-th), the mask functions themselves
+        # (the module holds the interceptors meanwhile) and the real masks, made before the first cache update as
+        # stock makes them
         self.sentinels: list = []
-        self.spare_sentinels: list = []
-        self.originals: list = []  # the mask functions themselves (the module holds the interceptors meanwhile)
+        self.originals: list = []
         self.real_masks: list | None = None
         self.graph = None  # the piece under capture
         self.pending = None  # (layer_idx, k, v, keys, values) between an update and its attention
@@ -196,7 +199,7 @@ class _Recorder:
         self.end()
         if self.mask_module is not None and self.real_masks is None:
             # stock's forward made its masks before any layer ran, with the cache as it was before this step
-            if len(self.rec.mask_calls) != len(self.sentinels) or not self.sentinels:
+            if not self.rec.mask_calls:
                 raise NotRecordable("the forward made no mask the recording saw")
             with self.backend.stream(self.main):
                 self.real_masks = [self._eager(masks.mask_call, function, kwargs, self.real_mask, self.cache,
@@ -221,7 +224,8 @@ class _Recorder:
             raise NotRecordable("the attention's keys/values are not the cache's")
         real_mask = self.real_mask
         if self.mask_module is not None:
-            index = next((i for i, sentinel in enumerate(self.sentinels) if mask is sentinel), None)
+            made = self.sentinels[:len(self.rec.mask_calls)]
+            index = next((i for i, sentinel in enumerate(made) if mask is sentinel), None)
             if index is None or self.real_masks is None:
                 raise NotRecordable("the attention's mask is not one the forward made")
             self.rec.mask_of_layer.append(index)
@@ -232,7 +236,7 @@ class _Recorder:
         for name, value in kwargs.items():
             if value is self.rec.positions:
                 recorded[name] = POSITIONS
-            elif isinstance(value, _SCALARS):
+            elif isinstance(value, SCALARS):
                 recorded[name] = value
             else:
                 raise NotRecordable(f"the attention's argument {name!r} is a {type(value).__name__}")
@@ -255,13 +259,18 @@ class _Recorder:
         recorded, why = masks.recorded_kwargs(kwargs, self.rec.sentinel, self.cache, self.rec.positions)
         if recorded is None:
             raise NotRecordable(f"a {name} call the recording cannot make again: {why}")
-        if len(self.sentinels) >= len(self.spare_sentinels):
+        calls = self.rec.mask_calls
+        if len(calls) >= len(self.sentinels):
             raise NotRecordable("more mask calls than the recording takes")
-        sentinel = self.spare_sentinels[len(self.sentinels)]  # made by `record` before the capture began
-        self.sentinels.append(sentinel)
-        self.rec.mask_calls.append((name, recorded))
+        sentinel = self.sentinels[len(calls)]
+        calls.append((name, recorded))
         self.originals.append(original)
         return sentinel
+
+    @property
+    def mask_module(self):
+        """The modeling module whose mask calls a K-token recording intercepts (None: a one-token one)."""
+        return self.rec.mask_module
 
     def _eager(self, function, *args, **kwargs):
         """`function` run outside any capture, as stock runs it (the real cache update, the attention function
@@ -316,12 +325,12 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         backend = backend_for(device)
         main = backend.current_stream(device)
         stream = backend.capture_stream(device)
-        recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend, mask_module)
+        recording.mask_module = mask_module
+        recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend)
         if mask_module is not None:
-            recording.mask_module = mask_module
             # one sentinel per mask call, distinct objects (made here: nothing is allocated for them under capture)
-            recorder.spare_sentinels = [torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device)
-                                        for _ in masks.MASK_FUNCTIONS]
+            recorder.sentinels = [torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device)
+                                  for _ in masks.MASK_FUNCTIONS]
         stream.wait_stream(main)
         token = _ACTIVE.set(recorder)
         cache.update = recorder.update  # the call's own cache object, for this forward only

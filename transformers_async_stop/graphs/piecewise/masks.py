@@ -30,7 +30,7 @@ CACHE = Marker("the step's cache")
 # the modeling modules' mask functions a K-token recording intercepts (those a module has; Gemma 3 calls both)
 MASK_FUNCTIONS = ("create_causal_mask", "create_sliding_window_causal_mask")
 EMBEDDINGS = ("inputs_embeds", "input_embeds")  # the embeddings' keyword (its name changed across releases)
-_SCALARS = (bool, int, float, str, type(None))
+SCALARS = (bool, int, float, str, type(None))  # kept as they are by a recording (a mask call's, an attention's)
 
 
 def mask_call(function, kwargs: dict, mask, cache, positions):
@@ -56,7 +56,7 @@ def recorded_kwargs(kwargs: dict, sentinel, cache, positions) -> tuple[dict | No
             recorded[key] = POSITIONS
         elif key in EMBEDDINGS and isinstance(value, torch.Tensor):
             recorded[key] = value  # piece 0's output: a fixed buffer holding each replay's embeddings
-        elif isinstance(value, _SCALARS) or isinstance(value, PretrainedConfig):
+        elif isinstance(value, SCALARS) or isinstance(value, PretrainedConfig):
             recorded[key] = value  # the config: the model's own object (a replaced one is a stale recording)
         else:
             return None, f"{key!r} is a {type(value).__name__}"

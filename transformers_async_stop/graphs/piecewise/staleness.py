@@ -48,6 +48,7 @@ _SEEN_MAX = 64  # K-token keys counted towards their second sighting (the count 
 def _NO_MODEL():  # `ModelGraphs.root` before any snapshot
     return None
 
+
 class ModelGraphs:
     """One model's recordings, and the state of the model they were made from (no reference to the model itself)."""
 
@@ -98,9 +99,10 @@ class ModelGraphs:
         # the model itself by a weak reference: this store is the value of a `WeakKeyDictionary` keyed by the model,
         # and a strong one here would keep the model, its weights and its graph pool alive for good (red team hole 4)
         self.root, self.root_class = weakref.ref(model), type(model)
-        self.modules = list(model.modules())[1:]
+        every = list(model.modules())
+        self.modules = every[1:]
         self.classes = list(map(type, self.modules))
-        for module in (model, *self.modules):
+        for module in every:
             for name, child in module._modules.items():
                 entries.append((module._modules, name, child))
             for table in (module._parameters, module._buffers):
@@ -129,13 +131,13 @@ class ModelGraphs:
         self.copies = copy.deepcopy(self.contents)
         # a module appended to a ModuleList (GPT-2's forward runs every block of `self.h`) adds a key, which the
         # entries above (the children as recorded) cannot show
-        self.lists = [module._modules for module in (model, *self.modules) if type(module) is torch.nn.ModuleList]
+        self.lists = [module._modules for module in every if type(module) is torch.nn.ModuleList]
         self.lengths = list(map(len, self.lists))
         # an attribute added to a module's `__dict__` (red team holes R5b, R14b: an instance function shadowing a
         # method, an unregistered module shadowing a child, set mid-call): the model is proven again
         # a field added to a config (`config.is_causal = False` set by a processor: stock's next forward reads it, a
         # replay keeps what the recording read; red team hole 1 of the verify forward) likewise
-        self.dicts = [module.__dict__ for module in (model, *self.modules)] + config_dicts
+        self.dicts = [module.__dict__ for module in every] + config_dicts
         self.sizes = list(map(len, self.dicts))
         base = eligibility.base_of(model)
         # the torch names the replayed Python looks up, and torch's module internals every module call runs
