@@ -185,6 +185,19 @@ class UsageHoles(unittest.TestCase):
         self.assert_as_stock(scenario("returned_dynamic", [only], seed=234, family="gpt2", assisted=assisted))
 
 
+    @unittest.skipUnless(TRANSFORMERS_VERSION >= (5, 0), "the fuzzer draws assisted scenarios on 5.x")
+    def test_a_processor_writing_the_pad_id_into_a_drafted_sequence(self):
+        # fuzzer seed 297 (5.23.0, CUDA only: the CPU's tokens never hit the case): a `mutate_ids` processor turned a
+        # kept 27 into the pad id 0 in place, during the draft's first step of a round; stock's assistant masked it
+        # in the next rounds, the flag's host mirror still held 27 and handed an all-ones mask, so the drafts, the
+        # processor's calls and then the ids differed. tests/test_assisted_mirror.py pins the mechanism on the CPU
+        only = turn(batch=1, prompt_len=4, user_len=1, eos=None, max_new_tokens=7, processors=[{"kind": "mutate_ids"}])
+        assisted = {"kind": "copy", "bare": True, "shared": False, "schedule": "constant", "threshold": 0.0,
+                    "tokens": 5}
+        user_module = {"form": "host_read", "layer": 0, "read": "item", "strength": 2.0, "target": "norm"}
+        self.assert_as_stock(scenario("user_dynamic", [only], seed=297, family="gpt2", assisted=assisted,
+                                      user_module=user_module))
+
 @unittest.skipUnless(CUDA, "CUDA only")
 class UsageHolesCuda(UsageHoles):
     """The same scenarios on the GPU (the static loop's captured tail), and issue 16's CUDA-only items."""

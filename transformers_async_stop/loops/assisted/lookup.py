@@ -115,13 +115,53 @@ class HostLookup:
 
 
 class Mirror:
-    """The call's sequence on the host: the prompt (one read per call), then each round's accepted tokens."""
+    """The call's sequence on the host: the prompt (one read per call), then each round's accepted tokens.
 
-    def __init__(self, input_ids: torch.Tensor):
-        self.ids = input_ids.cpu()
+    The device sequence is not only appended to: stock hands it to the logits processors (the draft's first step
+    gets the call's own tensor, a verify round without candidates too), and a processor may write it in place. Stock
+    reads the written sequence afterwards (the assistant's pad-id mask, the n-gram search), so the mirror must too
+    (fuzzer seed 297: a processor turned a kept 27 into the pad id 0 on CUDA; stock's assistant masked it in the
+    next rounds, the flag's mirror still held 27 and handed an all-ones mask, the drafts and so the processor's
+    calls differed). A write in place moves the tensor's version counter, also through a view: where it moved since
+    the mirror last read the device, the mirror reads it again (one blocking read, only in a round after such a
+    write). An inference tensor has no version counter: where code outside transformers is handed the sequence
+    (`foreign`, a user's logits processor), the mirror reads the device each time it is asked.
 
-    def extend(self, tokens: torch.Tensor) -> None:
-        self.ids = torch.cat((self.ids, tokens.to(self.ids.dtype)), dim=1)
+    The prompt is copied even on the CPU (where `.cpu()` would alias it), so that both devices run the same logic.
+    """
+
+    def __init__(self, input_ids: torch.Tensor, foreign: bool = False):
+        self.foreign = foreign
+        self.reads = 0  # device reads after the prompt's (tests)
+        self._ids = input_ids.to("cpu", copy=True)
+        self._stale = False
+        self._watch(input_ids)
+
+    def _watch(self, device_ids: torch.Tensor) -> None:
+        self._source = device_ids
+        self._version = None if device_ids.is_inference() else device_ids._version
+
+    def _written(self) -> bool:
+        """Was the device sequence written in place since the mirror last followed it (or can that not be told)?"""
+        if self._version is None:
+            return self.foreign
+        return self._source._version != self._version
+
+    def extend(self, tokens: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """The round's kept `tokens` (host), and `input_ids`, the device sequence they were appended to."""
+        # a write into the previous sequence before the append is in the new one too
+        self._stale = self._stale or self._written()
+        self._ids = torch.cat((self._ids, tokens.to(self._ids.dtype)), dim=1)
+        self._watch(input_ids)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        if self._stale or self._written():
+            self._ids = self._source.to("cpu", copy=True)
+            self._stale = False
+            self.reads += 1
+            self._watch(self._source)
+        return self._ids
 
     def contains(self, token_id: int) -> bool:
         return bool((self.ids.numpy() == token_id).any())

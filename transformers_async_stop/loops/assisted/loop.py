@@ -183,7 +183,7 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
     ensemble_weight = generation_config.assistant_ensemble_weight if port.ensemble else None
     box = RoundBox(device)
     rng = RngGuard(device)
-    mirror = Mirror(input_ids)  # the one read of the prompt per call
+    mirror = Mirror(input_ids, foreign=_foreign(logits_processor))  # the one read of the prompt per call
     lookup = draft = None
     if type(candidate_generator) is cg_module.PromptLookupCandidateGenerator:
         lookup = HostLookup(candidate_generator, mirror, device)
@@ -290,7 +290,7 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
             new_tokens = torch.from_numpy(values[HEADER:HEADER + kept].copy()).unsqueeze(0)
             valid_tokens = tokens[:, :kept]
             input_ids = torch.cat((input_ids, valid_tokens), dim=-1)
-            mirror.extend(new_tokens)
+            mirror.extend(new_tokens, input_ids)
             if streamer is not None:
                 streamer.put(new_tokens)
             new_cur_len = input_ids.shape[1]
@@ -348,6 +348,12 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
     return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits,
                                      attentions=decoder_attentions, hidden_states=decoder_hidden_states,
                                      **cache_kwarg.output_field(cache))
+
+
+def _foreign(processors) -> bool:
+    """Is the sequence handed to code outside transformers (a user's logits processor, which may write it in
+    place)? transformers' own processors only read it. The draft's processors are the same list."""
+    return any(not type(p).__module__.startswith("transformers.") for p in processors or ())
 
 
 def _tag_grown(before, after) -> None:
