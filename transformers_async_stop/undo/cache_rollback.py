@@ -10,10 +10,13 @@ cache's own, never the sequence length: multi-turn callers feed only the tokens 
 
 Sliding-window and recurrent layers overwrite state they cannot give back. 5.17+ can record that state
 (`activate_past_recording`) and `DeferredStopCheck` relies on it; on older releases such a cache, when returned
-to the caller, is reported as not rollbackable and the call runs the stock path.
+to the caller, is reported as not rollbackable and the call runs the stock path. The dynamic-cache loop keeps a
+dynamic cache's sliding-window layers as they were before each step instead (`StepSnapshot`: no tensor copied).
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -107,6 +110,61 @@ def _contiguous(layers) -> None:
             tensor = getattr(layer, name, None)
             if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
                 setattr(layer, name, tensor.contiguous())
+
+
+def _is_dynamic_sliding(layer) -> bool:
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    return type(layer) is DynamicSlidingWindowLayer
+
+
+def holds_sliding_layers(cache) -> bool:
+    """Whether `cache` holds a `DynamicSlidingWindowLayer` (its extra step may have dropped a token: `StepSnapshot`)."""
+    layers, _ = _layers(cache)
+    return any(map(_is_dynamic_sliding, layers or ()))
+
+
+class StepSnapshot:
+    """The layers of a dynamic cache with sliding-window layers, as they were before the latest decode step's forward:
+    the dynamic-cache loop's exact undo of its one extra step (`loops/dynamic_loop/loop.py`).
+
+    A `DynamicSlidingWindowLayer` keeps the last `sliding_window - 1` positions. Once it holds that many, the extra
+    step's `update` drops the oldest one (`full[:, :, -sliding_window + 1:]` of the concatenation), which no crop can
+    give back (its `crop` refuses a full window without a recorded past). Its `update` (as a `DynamicLayer`'s) never
+    writes into a tensor it held: it binds new ones (`torch.cat`, then a slice of it) to `keys` / `values` and counts
+    `cumulative_length` up; lazy initialisation binds the rest (5.17.0-5.24.0, digests in
+    `targets/piecewise_rows.py` "dynamic decode loop (sliding layers)"). So the layers' attribute dicts as they were
+    before the step (a shallow copy each, per step: no tensor is copied) hold exactly the objects the flag-off run's
+    cache holds after its last step: the same tensors (values, shapes, strides: stock's slices stay slices), and the same
+    counters. Every layer of such a cache is kept this way, its full-attention `DynamicLayer`s too (their previous
+    tensors are the contiguous concatenations stock holds, with no crop and copy). The step's position is the cache's,
+    never read from the sequence."""
+
+    __slots__ = ("cache", "layers", "saved")
+
+    def __init__(self, cache):
+        layers, _ = _layers(cache)
+        self.cache = cache
+        self.layers = list(layers)
+        self.saved = None
+
+    def save(self) -> None:
+        """Before a decode step's forward: each layer's attributes as they are now (shallow copies)."""
+        self.saved = list(map(dict.copy, map(vars, self.layers)))
+
+    def restore(self, cache) -> bool:
+        """After the extra step's forward: each layer as it was before it. False (nothing done) where `cache` is not
+        the one saved, or its layers are not the ones saved (a callback replaced them)."""
+        layers, _ = _layers(cache)
+        if (self.saved is None or cache is not self.cache or layers is None or len(layers) != len(self.layers)
+                or any(map(operator.is_not, layers, self.layers))):
+            return False
+        for layer, saved in zip(self.layers, self.saved):
+            state = vars(layer)
+            state.clear()
+            state.update(saved)
+        self.saved = None
+        return True
 
 
 def holds_static_layers(cache) -> bool:

@@ -3,7 +3,9 @@
 The loop is taken where it reproduces stock exactly, and nowhere else: a decoder-only model that keeps transformers'
 own `prepare_inputs_for_generation` (or Phi-3's own, read: `_OWN_INPUTS`) and `_update_model_kwargs_for_generation`
 and is not remote code, a plain
-`DynamicCache` (not compileable: stock builds no 4D mask in the input preparation), one new token per step, no
+`DynamicCache` (not compileable: stock builds no 4D mask in the input preparation) of full-attention and
+sliding-window layers (`DynamicLayer`, `DynamicSlidingWindowLayer`; an assistant's draft: the former only), one new
+token per step, no
 per-step attentions or hidden states, one device and one process (no `device_map` split, no `synced_gpus` or tensor
 parallelism), no processor that needs keyword arguments (stock raises there: the deferred path does too), and an
 installed transformers whose sources are the ones this loop was read against (`targets.SHORTCUTS`: "dynamic decode
@@ -50,7 +52,7 @@ class DynamicPlan:
 
 def plan_loop(model, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs):
     """The call's `DynamicPlan`, or None where the deferred path of `generation.py` runs instead."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
     from transformers.generation.utils import GenerationMixin
 
     if _off() or synced_gpus:
@@ -72,10 +74,18 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
     cache = cache_kwarg.get(model_kwargs)
     if type(cache) is not DynamicCache or getattr(cache, "is_compileable", False):
         return None
-    # full-attention layers only: a sliding window's cache is left to the deferred path (its rollback differs);
-    # an empty user cache may have no layer yet (it makes `DynamicLayer`s lazily)
-    if any(type(layer) is not DynamicLayer for layer in getattr(cache, "layers", ()) or ()):
-        return None
+    # full-attention and sliding-window layers: the extra step's undo is a crop of the former, and puts a returned
+    # cache's layers back as they were before that step where it holds the latter (`cache_rollback.StepSnapshot`,
+    # whose reading of the sliding layer is pinned by "dynamic decode loop (sliding layers)"). An assistant's draft
+    # loop keeps full-attention layers only (`DraftStop` reads each verdict of a sliding cache at once, and the
+    # assisted loop records that cache's past). An empty user cache may have no layer yet (it makes `DynamicLayer`s
+    # lazily)
+    layers = getattr(cache, "layers", ()) or ()
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        if (generation_config.is_assistant
+                or any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in layers)
+                or not matches("dynamic decode loop (sliding layers)")):
+            return None
     if not (matches("dynamic decode loop") and matches("LogitsProcessorList.__call__")
             and matches("StoppingCriteriaList.__call__")):
         return None

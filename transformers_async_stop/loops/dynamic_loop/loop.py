@@ -12,7 +12,9 @@ Copied from transformers v5.17.0-v5.24.0 `GenerationMixin._sample` (one source o
   read after step t+1's forward is queued; if it says "all finished", step t+1 runs no processor, criterion or
   streamer call and its forward is undone in a returned cache; its random draws are given back;
 - `_has_unfinished_sequences` and the stop-check object are not called: the controller is the stop check;
-- an assistant's prefill on a filled cache runs `prefill.py`'s port of `_prefill` with the decode steps' forward.
+- an assistant's prefill on a filled cache runs `prefill.py`'s port of `_prefill` with the decode steps' forward;
+- a returned cache with sliding-window layers has its layers' attributes kept (shallow copies) before each decode
+  step's forward: the extra step's undo puts them back (`cache_rollback.StepSnapshot`).
 The sequence (`torch.cat` per step), the logits copy, the token selection and the recorded scores and logits are
 stock's own lines.
 """
@@ -24,7 +26,7 @@ import torch
 from ...release_checks import cache_kwarg
 from ... import path_report
 from ...graphs import piecewise
-from ...undo.cache_rollback import rollback_one_step, why_not_rollbackable
+from ...undo.cache_rollback import StepSnapshot, holds_sliding_layers, rollback_one_step, why_not_rollbackable
 from ...control.step_lists import fold_criteria
 from . import prefill
 from .inputs import DecodeInputs
@@ -58,6 +60,9 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
     outputs = prefill.run(model, input_ids, generation_config, model_kwargs, graphed)
     step_inputs = None  # made at the first decode step; None while stock prepares the inputs
     first = True
+    # a returned cache with sliding-window layers: its layers as they were before each decode step's forward, the
+    # extra step's exact undo (`cache_rollback.StepSnapshot`); None where the crop undoes it, or nothing needs undoing
+    snapshot = None
     try:
         with model._optimize_model_for_decode():
             while True:
@@ -71,6 +76,12 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
                     else:
                         model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1,
                                                                            **model_kwargs)
+                    if ctl.cache_returned:
+                        cache = cache_kwarg.get(model_inputs)
+                        if snapshot is None or snapshot.cache is not cache:
+                            snapshot = StepSnapshot(cache) if holds_sliding_layers(cache) else None
+                        if snapshot is not None:
+                            snapshot.save()
                     outputs = forward(**model_inputs, return_dict=True)
                 if step_inputs is None:
                     # the prefill's, and every step's where the inputs are stock's: the patched update also plans
@@ -110,11 +121,11 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
                     break
     except BaseException:
         if ctl.overran:
-            _give_back_extra_forward(ctl, model_kwargs)
+            _give_back_extra_forward(ctl, model_kwargs, snapshot)
         raise
 
     if ctl.finish():
-        _give_back_extra_forward(ctl, model_kwargs)
+        _give_back_extra_forward(ctl, model_kwargs, snapshot)
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:
@@ -123,8 +134,13 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
     return input_ids
 
 
-def _give_back_extra_forward(ctl, model_kwargs) -> None:
-    """A returned cache loses the position the extra step's forward wrote (an unreturned one is dropped)."""
+def _give_back_extra_forward(ctl, model_kwargs, snapshot=None) -> None:
+    """A returned cache loses the position the extra step's forward wrote (an unreturned one is dropped); one with
+    sliding-window layers gets back the layers it had before that forward (`StepSnapshot`)."""
     cache = cache_kwarg.get(model_kwargs)
-    if ctl.cache_returned and cache is not None and why_not_rollbackable(cache) is None:
+    if not ctl.cache_returned or cache is None:
+        return
+    if snapshot is not None and snapshot.restore(cache):
+        return
+    if why_not_rollbackable(cache) is None:
         rollback_one_step(cache, ctl.extra_position())

@@ -27,6 +27,28 @@ _COMMON = {
     "transformers.masking_utils:sdpa_mask": {"acbbdd247878": "5.17.0-5.18.0", "2a073d7981cd": "5.19.0", "a30991b130d8": "5.20.2-5.24.0"},
     "transformers.masking_utils:_ignore_causal_mask_sdpa": {"73264261e58f": "5.17.0", "60d5f943b631": "5.18.0-5.19.0", "b3d03cfa0d76": "5.20.2-5.24.0"},
     "transformers.modeling_rope_utils:dynamic_rope_update": {"a3178e1ab4ac": "5.17.0-5.20.2", "812c0729f2a7": "5.21.1-5.22.2", "c0bc145a2182": "5.23.0-5.24.0"},
+    # sliding-window layers (mistral's default window, Gemma 3's and Exaone 4's hybrid layers, Ministral): the layer's
+    # update runs eagerly between the pieces, like `DynamicLayer.update` (5.17 differs only where its past is recorded:
+    # the full states are returned, not the visible ones). The decode step's mask each sliding layer gets is answered
+    # on the host (`masks.host_mask`), as these sources make it: no padding, a window that has not begun to slide
+    # (fewer than `sliding_window - 1` positions held) gives None (`_ignore_causal_mask_sdpa`: `kv_length <
+    # local_size`); from there on `sdpa_mask` materialises the window, every entry True (sliding overlay and causal
+    # function over the `get_mask_sizes` aranges), `(1, 1, 1, window)` expanded to the batch without a 2D mask,
+    # `(batch, 1, 1, window)` with one (`padding_mask_function` indexes it); `create_causal_mask` gives None.
+    # Read on 5.17.0-5.24.0
+    "transformers.cache_utils:DynamicSlidingWindowLayer.update": {"84f9dc6160a9": "5.17.0", "63d4e10e3d3d": "5.18.0-5.24.0"},
+    "transformers.cache_utils:DynamicSlidingWindowLayer.get_mask_sizes": {"42f4eb2b7501": "5.17.0-5.24.0"},
+    "transformers.cache_utils:DynamicSlidingWindowLayer.get_seq_length": {"080f817a7e99": "5.17.0-5.24.0"},
+    "transformers.cache_utils:Cache.get_mask_sizes": {"6c372f7d47d1": "5.17.0-5.22.2", "979ed43a0b27": "5.23.0-5.24.0"},
+    "transformers.cache_utils:Cache.get_query_offset": {"0890a0e73381": "5.17.0-5.24.0"},
+    "transformers.masking_utils:create_sliding_window_causal_mask": {"1df4553adac5": "5.17.0-5.19.0", "86cded694378": "5.20.2-5.22.2", "410bd7e79f27": "5.23.0", "e7f6a00edf5b": "5.24.0"},
+    "transformers.masking_utils:sliding_window_causal_mask_function": {"6071b3da2ce1": "5.17.0-5.24.0"},
+    "transformers.masking_utils:sliding_window_overlay": {"d36e026d3002": "5.17.0-5.24.0"},
+    "transformers.masking_utils:and_masks": {"789b132c21d8": "5.17.0-5.24.0"},
+    "transformers.masking_utils:causal_mask_function": {"e8566f1e2978": "5.17.0-5.24.0"},
+    "transformers.masking_utils:padding_mask_function": {"5682e7f76fc8": "5.17.0-5.24.0"},
+    "transformers.masking_utils:prepare_padding_mask": {"ad0de58050a9": "5.17.0-5.24.0"},
+    "transformers.masking_utils:_non_vmap_expansion_sdpa": {"5a75af9fba8f": "5.17.0-5.24.0"},
 }
 _FAMILIES = (  # family, modeling module, then each of its sources (qualified name -> {digest: releases})
     ("llama", "transformers.models.llama.modeling_llama", {
@@ -130,19 +152,41 @@ _FAMILIES = (  # family, modeling module, then each of its sources (qualified na
 )
 
 
+# the dynamic-cache loop's undo of its extra step in a returned cache with sliding-window layers
+# (`cache_rollback.StepSnapshot`): these bind new tensors and counters to the layer's attributes and write into none
+# they held (a sliding layer's `update`: `torch.cat`, then a slice of it; 5.17 returns the full states where its past
+# is recorded), so the attributes as they were before the step are the flag-off run's. Read on 5.17.0-5.24.0 (5.24's
+# `DynamicLayer.lazy_initialization` changes its annotations only)
+_SLIDING_UNDO = {
+    "transformers.cache_utils:DynamicSlidingWindowLayer.update": {"84f9dc6160a9": "5.17.0", "63d4e10e3d3d": "5.18.0-5.24.0"},
+    "transformers.cache_utils:DynamicSlidingWindowLayer.lazy_initialization": {"ae8618ba56a1": "5.17.0-5.24.0"},
+    "transformers.cache_utils:DynamicLayer.update": {"3fe48b1632f1": "5.17.0-5.24.0"},
+    "transformers.cache_utils:DynamicLayer.lazy_initialization": {"de1375a15450": "5.17.0-5.23.0", "a828302291d9": "5.24.0"},
+}
+
+
 def _source(module: str, name: str) -> str:
     return name if ":" in name else f"{module}:{name}"  # a source outside the modeling module is named in full
 
 PIECEWISE_SHORTCUTS = tuple(
     Shortcut(
         f"piecewise forward ({family})",
-        (*_COMMON, *(_source(module, name) for name in sources)),
+        tuple(dict.fromkeys((*_COMMON, *(_source(module, name) for name in sources)))),  # each source once
         {**_COMMON, **{_source(module, name): digests for name, digests in sources.items()}},
         "piecewise", present="5.17-5.24",
         why="the eager decode forward of a dynamic cache is hundreds of launches behind Python: its shape-fixed "
             "pieces are replayed from CUDA graphs of the same kernels, the cache append and attention run eagerly",
     )
     for family, module, sources in _FAMILIES
+)
+
+PIECEWISE_SHORTCUTS += (
+    Shortcut(
+        "dynamic decode loop (sliding layers)", tuple(_SLIDING_UNDO), _SLIDING_UNDO,
+        "dynamic_loop.eligibility.plan_loop", present="5.17-5.24",
+        why="a sliding-window layer's extra decode step may drop its oldest position, which no crop gives back: the "
+            "loop keeps the layers' attributes from before each step (no tensor copied) and puts them back",
+    ),
 )
 
 # transformers' decoder layers derive from `GradientCheckpointingLayer`, whose own `__call__` (5.17-5.22; from 5.23
