@@ -33,6 +33,7 @@ from . import acceptance
 from .acceptance import HEADER, RoundBox
 from .draft import DraftRun, outer_mask_summary
 from .lookup import HostLookup, Mirror
+from .room import Room
 
 MAX_TIME = "MaxTimeCriteria.__call__"
 
@@ -184,6 +185,8 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
     box = RoundBox(device)
     rng = RngGuard(device)
     mirror = Mirror(input_ids, foreign=_foreign(logits_processor))  # the one read of the prompt per call
+    # a static cache (5.24+) is never written past its end: each round's reach is checked before its forward
+    room = Room(cache_kwarg.get(model_kwargs) if port.record_past else None)
     lookup = draft = None
     if type(candidate_generator) is cg_module.PromptLookupCandidateGenerator:
         lookup = HostLookup(candidate_generator, mirror, device)
@@ -243,6 +246,7 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
             model_inputs = model.prepare_inputs_for_generation(candidate_input_ids, **extra, **candidate_kwargs)
             if "logits_to_keep" in model_inputs:
                 model_inputs["logits_to_keep"] = candidate_length + 1
+            room.check(model_inputs)
             if is_first_iteration:
                 outputs = model(**model_inputs)
             elif not port.decode_compiled:
@@ -298,6 +302,7 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
             if port.record_past:
                 if not port.crop_positive_only or candidate_length - n_matches > 0:
                     cache_kwarg.of_output(outputs).crop(-(candidate_length - n_matches))
+                room.advance(model_inputs, candidate_length - n_matches)
             else:
                 cache_kwarg.of_output(outputs).crop(new_cur_len - 1)
 
