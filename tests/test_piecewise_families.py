@@ -201,23 +201,25 @@ class FamiliesStepAside(unittest.TestCase):
         model.model.rotary_emb.rope_type = "longrope"  # its short/long factors switch with the length
         self.assertEqual(_why(model), "rope type 'longrope' has per-length state")
 
-    def test_phi3_with_a_sliding_window_steps_aside(self):
-        self.assertEqual(_why(build("phi3", sliding_window=4)), "sliding-window attention")
+    def test_phi3_with_a_sliding_window_takes_the_path(self):
+        # its masks are answered on the host per layer (issue 36, tests/test_piecewise_sliding.py)
+        self.assertEqual(_why(build("phi3", sliding_window=4)), "not CUDA (cpu)")
 
     def test_gpt2_with_cross_attention_steps_aside(self):
         self.assertEqual(_why(build("gpt2", add_cross_attention=True)), "cross-attention layers")
 
-    def test_gemma3_with_sliding_layers_steps_aside(self):
-        self.assertEqual(_why(_build("gemma3", layer_types=None)), "layers other than full attention")
+    def test_gemma3_with_sliding_layers_takes_the_path(self):
+        self.assertEqual(_why(_build("gemma3", layer_types=None)), "not CUDA (cpu)")
 
-    def test_gemma3_with_sliding_layers_keeps_the_deferred_path_without_the_dynamic_loop(self):
-        # its cache holds `DynamicSlidingWindowLayer`s: the dynamic-cache loop, whose decode forward this is, is not
-        # taken (`dynamic_loop/eligibility.py`), so no forward is reported
+    def test_gemma3_with_sliding_layers_takes_the_dynamic_loop_and_the_graphed_forward(self):
+        # its cache holds `DynamicSlidingWindowLayer`s: the dynamic-cache loop takes it (issue 36; more cases in
+        # tests/test_piecewise_sliding.py)
         model = _build("gemma3", layer_types=None)
         ids, mask = prompt(batch=1)
         with emulated():
             _check_against_stock(self, model, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
-        self.assertEqual((tas.last_path().describe(), tas.last_path().forward), ("deferred", None))
+        self.assertTrue(tas.last_path().describe().startswith("deferred, dynamic loop, forward graphed"),
+                        tas.last_path().describe())
 
     def test_gemma3_with_attention_softcapping_steps_aside(self):
         self.assertEqual(_why(_build("gemma3", attn_logit_softcapping=50.0)),

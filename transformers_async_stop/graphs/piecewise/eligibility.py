@@ -144,11 +144,11 @@ def why_not_model(model, model_forward) -> str | None:
         return "bidirectional attention"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping (SDPA refuses it)"
-    if not family.windows_by_layer_type and getattr(config, "sliding_window", None) is not None and (
-            name == "mistral" or getattr(config, "use_sliding_window", True)):
-        return "sliding-window attention"
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return "layers other than full attention"
+    # sliding-window layers (a window for every layer, or hybrid `layer_types`) take the path: which mask each
+    # layer's attention gets is observed at the recording (its mask calls intercepted), and each replay answers them
+    # on the host from the cache's sliding layer (`masks.host_mask`; a padded batch stays eager, `steps.sliding_step`)
+    if any(kind not in ("full_attention", "sliding_attention") for kind in getattr(config, "layer_types", None) or ()):
+        return "layers other than full or sliding-window attention"
     if family.rotary is not None:
         rope = getattr(getattr(base, family.rotary, None), "rope_type", None)
         for kind in rope.values() if isinstance(rope, dict) else (rope,):  # Gemma 3: one per layer type
@@ -308,17 +308,20 @@ def _tensors(model):
 
 
 def why_not_cache(cache) -> str | None:
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     if type(cache) is not DynamicCache or getattr(cache, "is_compileable", False):
         return f"a {type(cache).__name__}"
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return "cache layers other than DynamicLayer"
+    # full-attention and sliding-window layers: each one's update runs eagerly between the pieces (a sliding layer's
+    # mask is answered on the host: `masks.host_mask`)
+    if any(type(layer) is not DynamicLayer and type(layer) is not DynamicSlidingWindowLayer for layer in cache.layers):
+        return "cache layers other than DynamicLayer and DynamicSlidingWindowLayer"
     if "update" in cache.__dict__:
         return "a cache with its own update"
     # each replay calls the cache's and its layers' `update` eagerly, between the pieces: user code there (patched on
     # the class, or set on a layer) could change what the rest of the step reads (red team Q6)
-    if not (proven.transformers_own(DynamicCache.update) and proven.transformers_own(DynamicLayer.update)):
+    if not (proven.transformers_own(DynamicCache.update) and proven.transformers_own(DynamicLayer.update)
+            and proven.transformers_own(DynamicSlidingWindowLayer.update)):
         return "a cache update that is not transformers' own"
     if any("update" in layer.__dict__ for layer in cache.layers):
         return "a cache layer with its own update"

@@ -5,7 +5,9 @@ model's own) where it cannot replay:
 - the step's inputs: only `input_ids` / `position_ids` (one column), the cache (`past_key_values` up to 5.23,
   `cache` from 5.24: `cache_kwarg.py`), `use_cache`, `logits_to_keep`,
   `return_dict`, and a mask whose effect on the attention is known on the host (`steps.attention_mask`), or for K > 1 tokens the
-  step's own mask, from which each replay makes stock's (`steps.wide_mask`);
+  step's own mask, from which each replay makes stock's (`steps.wide_mask`); with sliding-window layers a batch
+  without padding, whose masks each replay answers on the host per recorded mask call (`steps.sliding_step`,
+  `masks.host_mask`);
 - staleness (`staleness.py`): a module, parameter or buffer replaced, its storage moved (`.to()`, `.data =`, a dtype
   change) or its shape or stride changed on the same storage, a plain attribute of a module or a config rebound (a
   norm's epsilon, an attention's scaling) or a config's list or dict edited in place: the model's recordings are
@@ -50,6 +52,11 @@ _TRAINING = operator.attrgetter("training")
 _PLAIN_TABLES = (dict, collections.OrderedDict)
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
+try:
+    from transformers.cache_utils import DynamicSlidingWindowLayer as _SLIDING
+except ImportError:  # a release without it: no cache holds one
+    _SLIDING = None
+
 
 
 class PiecewiseForward:
@@ -154,7 +161,8 @@ class PiecewiseForward:
             graphs.snapshot(self.model)
         forward_inputs = {name: value for name, value in inputs.items() if name != "return_dict"}
         forward_inputs["return_dict"] = True
-        mask_module = sys.modules[self.family.module] if key[1] > 1 else None
+        # K tokens, or one with sliding-window layers (key[5]): the module's mask calls are recorded (`masks.py`)
+        mask_module = sys.modules[self.family.module] if key[1] > 1 or type(key[5]) is tuple else None
         try:
             made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
                           "sdpa", graphs.pool, mask_module)
@@ -259,7 +267,17 @@ class PiecewiseForward:
             return None, None, why
         if len(cache.layers) != len(self.modules) or not cache.layers[0].is_initialized:
             return None, None, "a cache not filled by this model's prefill"
-        if width == 1:
+        # sliding-window layers, or a window in the config (its forward may build a sliding mask, over any cache:
+        # red team hole F): each layer's mask is the one its mask call gives, answered on the host at each replay
+        # (`masks.host_mask`) from the step's own mask; a recording holds for the cache's layout it was made with
+        layout = tuple(map(type, cache.layers))
+        sliding = _SLIDING in layout or getattr(self.model.config, "sliding_window", None) is not None
+        if sliding:
+            if width != 1:
+                return None, None, "sliding-window attention in a forward of more than one token"
+            mask = inputs.get("attention_mask")
+            why = steps.sliding_step(mask, cache, self.model.config, _SLIDING in layout)
+        elif width == 1:
             mask, why = steps.attention_mask(inputs.get("attention_mask"), ids.shape[0], cache)
         else:
             mask, why = steps.wide_mask(inputs.get("attention_mask"), ids.shape[0], width, cache)
@@ -270,8 +288,9 @@ class PiecewiseForward:
         if torch.is_grad_enabled() or torch.is_autocast_enabled() or torch.is_autocast_enabled(self.device.type):
             return None, None, "gradients or autocast enabled"
         key = (ids.shape[0], width, ids.dtype, positions.dtype, self.device,
-               # one token: whether SDPA gets no mask; K tokens: the replay makes stock's mask, whatever the input
-               mask is None if width == 1 else None, keep,
+               # one token: whether SDPA gets no mask; K tokens: the replay makes stock's mask, whatever the input;
+               # sliding-window layers: the replay answers each mask call on the host, whatever the input
+               ("sliding", layout) if sliding else mask is None if width == 1 else None, keep,
                # every torch setting that can change a kernel's choice or its numerics (`settings.py`)
                settings.read(),
                # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them

@@ -79,6 +79,10 @@ class Recording:
         self.mask_module = None
         self.mask_calls: list = []
         self.mask_of_layer: list = []
+        # one token with sliding-window layers: the mask calls are answered on the host at each replay
+        # (`masks.host_mask`), not made again; the materialised windows it made, kept (`made`)
+        self.host_masks = False
+        self.host_made: dict = {}
 
     def replay(self, cache, input_ids, position_ids, mask, attention_fn, modules, fresh_logits=False):
         """This step's forward. `mask`: the attention's mask for a one-token forward, the step's own (2D or None)
@@ -89,7 +93,8 @@ class Recording:
         self.positions.copy_(position_ids)
         graphs = self.graphs
         graphs[0].replay()
-        made = self._masks(cache, mask) if self.mask_calls else None
+        made = ((self._host_masks(cache, mask) if self.host_masks else self._masks(cache, mask)) if self.mask_calls
+                else None)
         update = type(cache).update
         for i, (layer_idx, q, k, v, kwargs, out) in enumerate(self.layers):
             keys, values = update(cache, k, v, layer_idx)
@@ -105,6 +110,13 @@ class Recording:
         """The forward's output: the logits buffer (a copy of it with `fresh_logits`) and the cache."""
         logits = self.logits.clone() if fresh_logits else self.logits
         return self.output_type(logits=logits, **cache_kwarg.output_field(cache))
+
+    def _host_masks(self, cache, mask) -> dict:
+        """A one-token step's masks with sliding-window layers, each mask call some layer reads answered on the host
+        as stock's function makes it for this step (`masks.host_mask`: `mask` is the step's own, without padding)."""
+        calls, batch, device, made = self.mask_calls, self.ids.shape[0], self.ids.device, self.host_made
+        return {index: masks.host_mask(calls[index][0], calls[index][1], mask, batch, cache, device, made)
+                for index in dict.fromkeys(self.mask_of_layer)}
 
     def _masks(self, cache, mask) -> dict:
         """The masks of the mask calls some layer reads, made as stock's forward makes them (the module's function,
@@ -167,7 +179,8 @@ class _Recorder:
         self.real_masks: list | None = None
         self.graph = None  # the piece under capture
         self.pending = None  # (layer_idx, k, v, keys, values) between an update and its attention
-        self.saved = []  # (layer, keys, values) before this step's update: restored if the recording fails
+        self.saved = []  # (layer, its attributes) before this step's update: restored if the recording fails
+        self.config = None  # the model's config (`record`)
         self.raised = None  # an exception of the code the recording runs eagerly, as stock runs it (`_eager`)
 
     def expected_module(self):
@@ -207,8 +220,9 @@ class _Recorder:
                                    for function, (_, kwargs) in zip(self.originals, self.rec.mask_calls)]
         layer = self.cache.layers[layer_idx] if layer_idx < len(self.cache.layers) else None
         if layer is not None:
-            self.saved.append((layer, getattr(layer, "keys", None), getattr(layer, "values", None),
-                               getattr(layer, "is_initialized", True)))
+            # its attributes (shallow): the update binds new tensors and counters (a sliding layer's
+            # `cumulative_length` too), writing into none it held
+            self.saved.append((layer, dict(vars(layer))))
         with self.backend.stream(self.main):
             keys, values = self._eager(type(self.cache).update, self.cache, key_states, value_states, layer_idx)
         self.pending = (layer_idx, key_states, value_states, keys, values)
@@ -228,6 +242,10 @@ class _Recorder:
             index = next((i for i, sentinel in enumerate(made) if mask is sentinel), None)
             if index is None or self.real_masks is None:
                 raise NotRecordable("the attention's mask is not one the forward made")
+            if (self.rec.host_masks and self.rec.mask_calls[index][0] != "create_causal_mask"
+                    and not getattr(self.cache.layers[layer_idx], "is_sliding", False)):
+                # the host answers a sliding mask from the cache's sliding layers (`masks.host_mask`)
+                raise NotRecordable("a sliding-window mask for a full-attention cache layer")
             self.rec.mask_of_layer.append(index)
             real_mask = self.real_masks[index]
         elif mask is not self.rec.sentinel:
@@ -259,6 +277,10 @@ class _Recorder:
         recorded, why = masks.recorded_kwargs(kwargs, self.rec.sentinel, self.cache, self.rec.positions)
         if recorded is None:
             raise NotRecordable(f"a {name} call the recording cannot make again: {why}")
+        if self.rec.host_masks:
+            why = masks.why_not_host(name, recorded, self.config)
+            if why is not None:
+                raise NotRecordable(why)
         calls = self.rec.mask_calls
         if len(calls) >= len(self.sentinels):
             raise NotRecordable("more mask calls than the recording takes")
@@ -296,8 +318,9 @@ class _Recorder:
 
     def restore_cache(self) -> None:
         """The cache as it was before this step (a failed recording's step runs again eagerly)."""
-        for layer, keys, values, initialized in reversed(self.saved):
-            layer.keys, layer.values, layer.is_initialized = keys, values, initialized
+        for layer, state in reversed(self.saved):
+            vars(layer).clear()
+            vars(layer).update(state)
         self.saved.clear()
 
 
@@ -308,8 +331,9 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     generate() (a capture is not private then: `concurrency.py`).
 
     `mask_module`: for a forward of K > 1 tokens, the modeling module whose mask calls are recorded and replayed
-    (`real_mask` is then the step's own 2D mask or None); None for a one-token forward, whose attention gets
-    `real_mask` itself."""
+    (`real_mask` is then the step's own 2D mask or None); for a one-token forward of a cache with sliding-window
+    layers, the module whose mask calls are recorded and answered on the host at each replay (`masks.host_mask`;
+    `real_mask` the step's own); None for any other one-token forward, whose attention gets `real_mask` itself."""
     import time
 
     device = inputs["input_ids"].device
@@ -326,7 +350,10 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         main = backend.current_stream(device)
         stream = backend.capture_stream(device)
         recording.mask_module = mask_module
+        # one token with a mask module: a cache with sliding-window layers, whose masks each replay answers on the host
+        recording.host_masks = mask_module is not None and inputs["input_ids"].shape[1] == 1
         recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend)
+        recorder.config = model.config  # the config a mask call answered on the host must have been given
         if mask_module is not None:
             # one sentinel per mask call, distinct objects (made here: nothing is allocated for them under capture)
             recorder.sentinels = [torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device)

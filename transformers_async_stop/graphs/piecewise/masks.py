@@ -7,6 +7,12 @@ keyword arguments are kept with markers where the step's mask, cache and positio
 module's function again with this step's values (`mask_call`). The embeddings tensor the call got is piece 0's output,
 a fixed buffer holding the replay's embeddings by then: the mask functions read its shape, dtype and device (5.17-5.24:
 `_preprocess_mask_arguments`, digested for the path in `targets/piecewise_rows.py`).
+
+**A one-token forward of a cache with sliding-window layers** is recorded the same way (its mask calls intercepted,
+stock's masks made for the recording step by stock's functions), but its replays make no call: each recorded call's
+mask is answered on the host (`host_mask`), as `create_causal_mask` / `create_sliding_window_causal_mask` make it for a
+decode step without padding (`steps.sliding_step` keeps every other step eager). So each layer gets its own mask kind,
+as the model's forward handed it out at the recording, observed, not assumed per family.
 """
 
 from __future__ import annotations
@@ -95,3 +101,52 @@ def swapped(module, active):
             # another thread's rebinding meanwhile stays (red team hole 3): only our own interceptor is undone
             if table.get(name) is mine[name]:
                 setattr(module, name, original)
+
+
+# the mask calls a one-token recording of a cache with sliding-window layers answers on the host (`host_mask`), and the
+# keywords they may take: the step's mask, the cache and the positions (markers), the embeddings, the model's config
+HOST_ANSWERED = ("create_causal_mask", "create_sliding_window_causal_mask")
+_HOST_KEYWORDS = frozenset(("config", "attention_mask", "cache", "past_key_values", "position_ids", *EMBEDDINGS))
+
+
+def why_not_host(name: str, recorded: dict, config) -> str | None:
+    """Why the host cannot answer a recorded mask call at each replay (None: it can): another function, another
+    keyword (an `and_mask_function`, a `layer_idx`...), another config than the model's, or a marker elsewhere."""
+    if name not in HOST_ANSWERED:
+        return f"{name} is not answered on the host"
+    if not _HOST_KEYWORDS.issuperset(recorded) or recorded.get("config") is not config:
+        return f"a {name} call with keywords the host does not answer for"
+    if (recorded.get("attention_mask") is not MASK or recorded.get("position_ids", POSITIONS) is not POSITIONS
+            or CACHE not in (recorded.get("cache"), recorded.get("past_key_values"))):
+        return f"a {name} call with keywords the host does not answer for"
+    return None
+
+
+def host_mask(name: str, recorded: dict, step_mask, batch: int, cache, device, made: dict):
+    """What stock's `name` returns at a one-token decode step of a batch without padding (`step_mask`: None or the
+    2D mask of ones, `steps.sliding_step`), with `cache` before this step's update (5.17.0-5.24.0, digests in
+    `targets/piecewise_rows.py` `_COMMON`):
+    - `create_causal_mask`: no local size, one query, no padding: `_ignore_causal_mask_sdpa` skips it, None;
+    - `create_sliding_window_causal_mask`: sized by the cache's first sliding layer (`is_sliding.index(True)`), whose
+      window is the config's (`steps.sliding_step`). While it holds fewer than `window - 1` positions, `kv_length <
+      window` and the mask is skipped: None. From there on `kv_length == window` and `sdpa_mask` materialises it:
+      every entry True (the keys span `[cl - window + 1, cl]` for the query at `cl`); `(1, 1, 1, window)` from the
+      overlay and causal functions, expanded to the batch, without a 2D mask; with one, the padding function's
+      indexing makes it a contiguous `(batch, 1, 1, window)`. Made once per (window, 2D mask or not) and kept in
+      `made` (SDPA only reads it).
+    """
+    if name == "create_causal_mask":
+        return None
+    window = recorded["config"].sliding_window
+    layer = cache.layers[cache.is_sliding.index(True)]
+    if layer.cumulative_length < window - 1:
+        return None
+    key = (window, step_mask is not None)
+    full = made.get(key)
+    if full is None:
+        if step_mask is None:
+            full = torch.ones((1, 1, 1, window), dtype=torch.bool, device=device).expand(batch, -1, 1, window)
+        else:
+            full = torch.ones((batch, 1, 1, window), dtype=torch.bool, device=device)
+        made[key] = full
+    return full

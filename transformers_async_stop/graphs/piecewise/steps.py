@@ -107,3 +107,34 @@ def wide_mask(mask, batch: int, width: int, cache):
     if mask.shape[0] != batch or mask.shape[1] != cache.get_seq_length() + width:
         return None, "a 2D mask whose length is not the cache's + the step's tokens"
     return mask, None
+
+
+SLIDING_PADDED = "a padded batch with sliding-window layers (the model builds its masks this step)"
+
+
+def sliding_step(mask, cache, config, holds_sliding=True) -> str | None:
+    """For a one-token decode step of a cache with sliding-window layers: why its masks are not ones the host answers
+    for (`masks.host_mask`), or None. The host answers a batch without padding (no mask, or a 2D mask of ones as long
+    as the cache and this token, the call's host summary says so), whose first sliding layer's window is the config's
+    (the one `create_sliding_window_causal_mask` reads) and at least 2. A padded batch (stock builds each kind's 4D
+    mask inside the forward) or a 4D mask stays eager. `holds_sliding`: the cache holds a sliding-window layer (else
+    only the config has a window)."""
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or type(mask) is not torch.Tensor or mask.dim() != 2:
+            return "a mask the recording does not take with sliding-window layers"
+        if mask.shape[-1] != cache.get_seq_length() + 1:
+            return "a 2D mask whose length is not the cache's + 1"
+        tag = masking._tag_of(mask)
+        if tag is None or tag[0].padded or tag[1] != mask.shape[-1]:
+            return SLIDING_PADDED if holds_sliding else "a padded 2D mask (the model builds its 4D mask this step)"
+    if not holds_sliding:
+        # a window in the config over full-attention layers only (Gemma 3 configured so): a layer that takes the
+        # sliding mask stops the recording (`graphs._Recorder.attention`)
+        return None
+    window = getattr(config, "sliding_window", None)
+    layer = cache.layers[cache.is_sliding.index(True)]
+    if type(window) is not int or window < 2 or layer.sliding_window != window:
+        return "a sliding layer whose window is not the config's"
+    if type(layer.cumulative_length) is not int:
+        return "a sliding layer without a length on the host"
+    return None
