@@ -120,6 +120,19 @@ class _Op:
                 recorded.copy_(fresh)
 
 
+# indexing ops torch tags as data-dependent because a boolean index's output shape is its count of True values: with
+# integer indices alone the shape is the indices' own, and CUDA captures them (GPT-J's `embed_positions[position_ids]`)
+_INDEXING = frozenset((_ATEN.index.Tensor,))
+
+
+def _integer_index(func, args) -> bool:
+    if func not in _INDEXING or len(args) < 2:
+        return False
+    return all(index is None or (isinstance(index, torch.Tensor) and not index.dtype.is_floating_point
+                                 and index.dtype is not torch.bool and index.dtype is not torch.uint8)
+               for index in args[1])
+
+
 class _Capture(TorchDispatchMode):
     def __init__(self, ops: list):
         super().__init__()
@@ -127,7 +140,7 @@ class _Capture(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _HOST_READS or _UNCAPTURABLE_TAGS.intersection(func.tags):
+        if func in _HOST_READS or (_UNCAPTURABLE_TAGS.intersection(func.tags) and not _integer_index(func, args)):
             raise RuntimeError(f"emulated CUDA graph capture: {func} is not permitted while capturing (it reads the "
                                "device on the host or has a data-dependent output)")
         out = func(*args, **kwargs)

@@ -32,6 +32,7 @@ read ("model family ... not proven"): transformers refuses SDPA for it at constr
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import sys
 
@@ -65,9 +66,12 @@ class Family:
     checks_padding: bool = False
     # each layer's window is its `layer_types` entry (Gemma 3: `sliding_window` is set, used by sliding layers only)
     windows_by_layer_type: bool = False
+    # found by `auto/discover.py` and proven per recording (`auto/proof.py`), not read by hand
+    auto: bool = False
 
     def attentions(self, base, config) -> list:
-        return [getattr(layer, self.attention) for layer in getattr(base, self.layers)[: config.num_hidden_layers]]
+        layers = operator.attrgetter(self.layers)(base)  # a dotted path for a nested decoder (OPT's `decoder.layers`)
+        return [getattr(layer, self.attention) for layer in layers[: config.num_hidden_layers]]
 
 
 # base model class -> its family
@@ -125,9 +129,9 @@ def why_not_model(model, model_forward) -> str | None:
     if model_forward != model.__call__:
         return "a compiled forward"
     base = base_of(model)
-    family = FAMILIES.get(type(base).__name__) if base is not None else None
+    family, why = _family(model)
     if family is None:
-        return f"model family {type(model).__name__} not proven"
+        return why
     name, causal_lm = family.name, family.causal_lm
     module = sys.modules.get(family.module)
     if (module is None or type(base) is not getattr(module, type(base).__name__, None)
@@ -149,8 +153,11 @@ def why_not_model(model, model_forward) -> str | None:
     # on the host from the cache's sliding layer (`masks.host_mask`; a padded batch stays eager, `steps.sliding_step`)
     if any(kind not in ("full_attention", "sliding_attention") for kind in getattr(config, "layer_types", None) or ()):
         return "layers other than full or sliding-window attention"
-    if family.rotary is not None:
-        rope = getattr(getattr(base, family.rotary, None), "rope_type", None)
+    # a found family may keep a rotary embedding anywhere (per layer, inside the attention): every one is asked
+    rotaries = [module for module in model.modules() if hasattr(module, "rope_type")] if family.auto else [
+        getattr(base, family.rotary, None)] if family.rotary is not None else []
+    for rotary in rotaries:
+        rope = getattr(rotary, "rope_type", None)
         for kind in rope.values() if isinstance(rope, dict) else (rope,):  # Gemma 3: one per layer type
             if not isinstance(kind, str) or kind not in STATIC_ROPE:
                 return f"rope type {kind!r} has per-length state"
@@ -175,11 +182,16 @@ def why_not_model(model, model_forward) -> str | None:
     why = why_rebound(watched(model, module, family))
     if why is not None:
         return why
-    if not matches(f"piecewise forward ({name})"):
+    if family.auto:
+        # proven per recording, from what it ran (`auto/proof.py`); here every module's class must still be
+        # transformers' own (or one of torch's own on the list), with no instance-level override
+        why = proven.why_unread(model, None)
+    elif not matches(f"piecewise forward ({name})"):
         return f"transformers' {name} sources are not the ones read"
-    # default-deny: every module's class read and digested (or one of torch's own on the list), and the torch
-    # functions the forward's code looks up torch's own (`proven.py`)
-    why = proven.why_unread(model, sources_of(f"piecewise forward ({name})"))
+    else:
+        # default-deny: every module's class read and digested (or one of torch's own on the list), and the torch
+        # functions the forward's code looks up torch's own (`proven.py`)
+        why = proven.why_unread(model, sources_of(f"piecewise forward ({name})"))
     if why is not None:
         return why
     why = proven.why_foreign_functions(watched_functions(model, module))
@@ -198,8 +210,19 @@ _FIRST_SEEN: dict = {}
 
 
 def family_of(model) -> Family | None:
+    return _family(model)[0]
+
+
+def _family(model):
+    """(the model's family, None) or (None, why it has none): a hand-read one (`FAMILIES`), else the layout found
+    from the model (`auto/discover.py`), proven per recording."""
     base = base_of(model)
-    return FAMILIES.get(type(base).__name__) if base is not None else None
+    family = FAMILIES.get(type(base).__name__) if base is not None else None
+    if family is not None:
+        return family, None
+    from .auto.discover import family_for
+
+    return family_for(model, Family, _WATCHED_GLOBALS)
 
 
 def watched(model, module, family: Family) -> list:
@@ -238,7 +261,9 @@ def _looked_up(module, family: Family) -> list:
         ] if isinstance(value, type) else []
         for function in functions:
             pairs.update((module, name) for name in code_names(function) if name in vars(module))
-    for source in sources_of(f"piecewise forward ({family.name})"):
+    # a family found by discovery runs the read families' shared sources (the mask functions, the cache update...)
+    read = [family] if not family.auto else FAMILIES.values()
+    for source in sorted({source for each in read for source in sources_of(f"piecewise forward ({each.name})")}):
         owner_name, _, qualname = source.partition(":")
         owner = sys.modules.get(owner_name)
         if owner is None or owner is module:

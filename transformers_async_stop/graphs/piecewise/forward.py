@@ -42,6 +42,7 @@ import torch
 
 from ...release_checks import cache_kwarg
 from . import eligibility, proven, settings, steps
+from .auto import normal_form, proof, run_watch
 from .graphs import CaptureFailed, NotRecordable, record
 from .staleness import ModelGraphs, graphs_of  # noqa: F401 (the per-model store: `forward.graphs_of` for callers)
 
@@ -56,7 +57,6 @@ try:
     from transformers.cache_utils import DynamicSlidingWindowLayer as _SLIDING
 except ImportError:  # a release without it: no cache holds one
     _SLIDING = None
-
 
 
 class PiecewiseForward:
@@ -124,6 +124,7 @@ class PiecewiseForward:
         graphs = self.graphs
         if graphs.recordings and graphs.changed():
             graphs.clear()  # weights replaced or moved, an attribute rebound: every recording of this model is stale
+            graphs.first_runs.clear()
             # what changed may be a decision the call's eligibility made once (a config's `sliding_window` set by a
             # criterion): decided again before anything is recorded
             why = eligibility.why_not_model(self.model, self.eager)
@@ -163,9 +164,16 @@ class PiecewiseForward:
         forward_inputs["return_dict"] = True
         # K tokens, or one with sliding-window layers (key[5]): the module's mask calls are recorded (`masks.py`)
         mask_module = sys.modules[self.family.module] if key[1] > 1 or type(key[5]) is tuple else None
+        watch = None
+        if self.family.auto:
+            # a family no one read: proven by what this recording runs (`auto/proof.py`)
+            why = run_watch.why_busy()
+            if why is not None:
+                return self._eager(why, inputs)
+            watch = run_watch.RunWatch(trace_ops=True)
         try:
             made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
-                          "sdpa", graphs.pool, mask_module)
+                          "sdpa", graphs.pool, mask_module, watch=watch)
         except NotRecordable as error:
             return self._eager(_failed(graphs.failed, key, f"not recordable: {error}"), inputs)
         except CaptureFailed as error:
@@ -176,6 +184,14 @@ class PiecewiseForward:
             return self._eager("another thread is inside generate()", inputs)
         recording, outputs = made
         graphs.pool = recording.pool
+        if watch is not None:
+            why = self._unproven(key, watch)
+            if why is not None:
+                # the step's outputs are the forward's own (its kernels ran once, as eagerly): the recording is not kept
+                self.eager_steps += 1
+                self.last_eager = why
+                self._note()
+                return outputs
         graphs.recordings[key] = recording
         graphs.sizes = list(map(len, graphs.dicts))  # what transformers' own forward set on its modules while recorded
         _evict(graphs.recordings, key)
@@ -183,6 +199,27 @@ class PiecewiseForward:
             # the recording's logits buffer is the next replay's: the caller gets its own copy, as every replay's
             outputs = recording.output(cache_kwarg.get(inputs), fresh_logits=True)
         return self._replayed(outputs)
+
+    def _unproven(self, key, watch) -> str | None:
+        """Why the recording just made for a family found by `auto/discover.py` is not kept (None: it is). A recording
+        that ran a function proven only by the rules is kept once a second one, at a later position, ran the same ops
+        (the first's are remembered meanwhile)."""
+        graphs = self.graphs
+        verdict = proof.why_unproven(watch, self.family, normal_form.read_digests(eligibility.FAMILIES.values()))
+        if verdict.why is not None:
+            return _failed(graphs.failed, key, f"not proven: {verdict.why}")
+        if not verdict.checked:
+            return None
+        first = graphs.first_runs.pop(key, None)
+        if first is None:
+            graphs.first_runs[key] = watch.ops
+            while len(graphs.first_runs) > MAX_KEYS + MAX_WIDE:
+                del graphs.first_runs[next(iter(graphs.first_runs))]
+            return f"recorded once, to be confirmed at the next position ({len(verdict.checked)} functions checked)"
+        difference = proof.first_difference(first, watch.ops)
+        if difference is not None:
+            return _failed(graphs.failed, key, f"not proven: two positions ran different ops: {difference}")
+        return None
 
     def _replayed(self, outputs):
         self.replayed += 1

@@ -182,17 +182,31 @@ class _Recorder:
         self.saved = []  # (layer, its attributes) before this step's update: restored if the recording fails
         self.config = None  # the model's config (`record`)
         self.raised = None  # an exception of the code the recording runs eagerly, as stock runs it (`_eager`)
+        self.watch = None  # what the run executed, for a family proven per recording (`auto/run_watch.py`)
 
     def expected_module(self):
         index = len(self.rec.layers)
         return self.modules[index] if index < len(self.modules) else None
 
     def begin(self) -> None:
-        graph = self.backend.Graph()
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        with self.quiet():
+            graph = self.backend.Graph()
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
         self.graph = graph
+        if self.watch is not None:
+            self.watch.between = False
+
+    def quiet(self):
+        """The recorder's own work (captures, replays, buffers), unseen by the run's watch (`auto/run_watch.py`)."""
+        return self.watch.paused() if self.watch is not None else contextlib.nullcontext()
 
     def end(self) -> None:
+        if self.watch is not None:
+            self.watch.between = True
+        with self.quiet():
+            self._end()
+
+    def _end(self) -> None:
         graph = self.graph
         graph.capture_end()  # if this raises (an invalidated capture), `record` heals the generator from `self.graph`
         self.graph = None
@@ -207,7 +221,12 @@ class _Recorder:
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         index = len(self.rec.layers)
-        if self.pending is not None or not _plain_update(args, kwargs) or layer_idx != index or self.graph is None:
+        if self.pending is not None:
+            # the previous layer's attention never reached transformers' attention registry (Falcon calls
+            # `F.scaled_dot_product_attention` itself): it would have been captured over a cache that grows
+            raise NotRecordable(f"layer {self.pending[0]}'s attention does not go through transformers' attention "
+                                "functions")
+        if not _plain_update(args, kwargs) or layer_idx != index or self.graph is None:
             raise NotRecordable(f"an unexpected cache update (layer {layer_idx})")
         self.end()
         if self.mask_module is not None and self.real_masks is None:
@@ -262,8 +281,9 @@ class _Recorder:
             output, weights = self._eager(original, module, query, keys, values, real_mask, **kwargs)
             if weights is not None:
                 raise NotRecordable("the attention returns weights")
-            buffer = torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
-            buffer.copy_(output)
+            with self.quiet():
+                buffer = torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
+                buffer.copy_(output)
         self.rec.layers.append((layer_idx, query, k, v, recorded, buffer))
         self.stream.wait_stream(self.main)
         self.begin()
@@ -299,7 +319,8 @@ class _Recorder:
         registered for "sdpa", a user's maybe): what it raises is its own, whatever its message says (red team hole
         R12: "could not capture ..." from a user's attention), and reaches the caller as stock's raises it."""
         try:
-            return function(*args, **kwargs)
+            with self.quiet():
+                return function(*args, **kwargs)
         except BaseException as error:
             # out of memory stays the recording's (`capture_failure`): its pool holds memory stock's forward has free
             if not isinstance(error, _OUT_OF_MEMORY):
@@ -324,7 +345,8 @@ class _Recorder:
         self.saved.clear()
 
 
-def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: str, pool, mask_module=None):
+def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: str, pool, mask_module=None,
+           watch=None):
     """Record the forward for `inputs`; (Recording, this step's outputs). Raises `NotRecordable` or
     `CaptureFailed` (nothing of this step done: the cache is as it was; `capture_failure`), or what the forward
     raised otherwise; returns None when another thread is inside
@@ -333,7 +355,9 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     `mask_module`: for a forward of K > 1 tokens, the modeling module whose mask calls are recorded and replayed
     (`real_mask` is then the step's own 2D mask or None); for a one-token forward of a cache with sliding-window
     layers, the module whose mask calls are recorded and answered on the host at each replay (`masks.host_mask`;
-    `real_mask` the step's own); None for any other one-token forward, whose attention gets `real_mask` itself."""
+    `real_mask` the step's own); None for any other one-token forward, whose attention gets `real_mask` itself.
+    `watch`: an `auto.run_watch.RunWatch` installed around the forward (a family proven per recording): what the run
+    executed, for `auto.proof` to judge after it."""
     import time
 
     device = inputs["input_ids"].device
@@ -354,6 +378,7 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         recording.host_masks = mask_module is not None and inputs["input_ids"].shape[1] == 1
         recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend)
         recorder.config = model.config  # the config a mask call answered on the host must have been given
+        recorder.watch = watch
         if mask_module is not None:
             # one sentinel per mask call, distinct objects (made here: nothing is allocated for them under capture)
             recorder.sentinels = [torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device)
@@ -362,7 +387,8 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         token = _ACTIVE.set(recorder)
         cache.update = recorder.update  # the call's own cache object, for this forward only
         try:
-            with _swapped_attention(impl), masks.swapped(mask_module, _ACTIVE), backend.stream(stream):
+            with _swapped_attention(impl), masks.swapped(mask_module, _ACTIVE), backend.stream(stream), (
+                    watch if watch is not None else contextlib.nullcontext()):
                 recorder.begin()
                 outputs = model_forward(**kwargs)
                 if len(recording.layers) != len(modules) or recorder.pending is not None:

@@ -40,7 +40,9 @@ from ...undo.module_state import real_path
 # torch modules whose forward the families use, each a fixed composition of ops over the module's own parameters
 # (Dropout: an identity outside training mode, which steps aside). Exact classes only: a subclass is user code.
 TORCH_MODULES = frozenset((torch.nn.Linear, torch.nn.Embedding, torch.nn.ModuleList, torch.nn.Dropout,
-                           torch.nn.LayerNorm))
+                           torch.nn.LayerNorm,
+                           # activations: one functional op on the input (OPT's `activation_fn`, ACT2FN's "relu")
+                           torch.nn.ReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Identity))
 # transformers' helper sources read with every family (present on some releases only: `matches` says where)
 HELPER_SHORTCUTS = ("piecewise layer call (gradient checkpointing)",)
 _METHODS = ("forward", "__call__")
@@ -58,7 +60,9 @@ _TRANSFORMERS_DIR = os.path.realpath(os.path.dirname(__import__("transformers").
 
 def why_unread(model, family_sources) -> str | None:
     """The first module of `model` that is not proven (see the module docstring), as a reason; None: all are. The
-    family's sources are named in `family_sources`; their digests are checked by the caller (`verified.matches`)."""
+    family's sources are named in `family_sources`; their digests are checked by the caller (`verified.matches`).
+    `family_sources` None (a family found by `auto/discover.py`): any `forward` / `__call__` of transformers' own
+    code, each proven by what a recording runs of it (`auto/proof.py`)."""
     helpers = _helper_sources()
     verdicts: dict = {}
     for name, module in model.named_modules():
@@ -112,7 +116,7 @@ def _why_class(cls, family_sources, helpers) -> str | None:
         for attr in _METHODS:
             if attr in vars(klass):
                 source = f"{klass.__module__}:{klass.__qualname__}.{attr}"
-                if source not in family_sources and source not in helpers:
+                if family_sources is not None and source not in family_sources and source not in helpers:
                     return f"its {klass.__qualname__}.{attr} is not a source the graphed forward has read"
         for attr in _NOT_TRANSFORMERS:
             if attr in vars(klass):

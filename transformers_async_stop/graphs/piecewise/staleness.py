@@ -57,6 +57,9 @@ class ModelGraphs:
         self.failed: dict = {}  # key -> why its recording failed (not tried again while the model is unchanged)
         self.pool = None
         self.seen: collections.Counter = collections.Counter()  # K-token keys -> sightings before their recording
+        # key -> the ops of a first recording not kept, of a family proven per recording (`forward._unproven`): the
+        # next recording of the key must run the same; kept across `clear` (no recording kept means a clear at each)
+        self.first_runs: dict = {}
         self._reset()
 
     def sighting(self, key) -> int:

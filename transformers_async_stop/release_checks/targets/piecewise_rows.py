@@ -189,6 +189,27 @@ PIECEWISE_SHORTCUTS += (
     ),
 )
 
+# transformers' generic code that every family's forward runs, read for the families proven per recording
+# (`graphs/piecewise/auto/proof.py`); the rest of the generic code they run (config attribute reads, the output
+# dataclasses, the deprecation wrappers) passes the mechanical rules (`auto/rules.py`). `capture_outputs`' wrapper
+# reads the registry of what a model class can capture, keyed per class and filled at init; it installs hooks and
+# collects only where an `output_*` flag (a keyword, or a config field, which the staleness check compares) asks for
+# them, and a hook makes the forward eager (`eligibility.why_observed`). 5.17 and 5.23 differ from 5.18-5.22 only in
+# the hidden-states branch (a selection by index, the config's `tie_last_hidden_states`). The output types'
+# registration reads the set of types already registered with torch's pytree and adds the type once: idempotent
+_GENERIC = {
+    "transformers.utils.output_capturing:capture_outputs": {
+        "0f38b9af778f": "5.17.0", "3e5d6a8ffc32": "5.18.0-5.22.2", "380c3364ecee": "5.23.0-5.24.0"},
+    "transformers.utils.generic:_register_model_output_pytree_node": {"80182d357439": "5.17.0-5.24.0"},
+}
+PIECEWISE_SHORTCUTS += (
+    Shortcut(
+        "piecewise generic machinery (found families)", tuple(_GENERIC), _GENERIC, "piecewise.auto.proof",
+        present="5.17-5.24",
+        why="the generic code every family's forward runs, read once for the families proven per recording",
+    ),
+)
+
 # transformers' decoder layers derive from `GradientCheckpointingLayer`, whose own `__call__` (5.17-5.22; from 5.23
 # it has none) runs `super().__call__` unless gradient checkpointing is on in training mode (the path needs eval mode
 # and no gradient): read for the default-deny check of every family (`piecewise/proven.py`, `HELPER_SHORTCUTS`)

@@ -1,0 +1,154 @@
+"""What one recording's run of the forward executed, outside the parts a replay runs again eagerly.
+
+A recording bakes in every decision the forward's Python made while it ran. The automatic proof (`proof.py`) looks at
+exactly what ran, not at what a class could run: which transformers functions executed, line by line, and which
+code of neither transformers, torch, the standard library nor this package did (a user's function, a monkeypatch).
+`RunWatch` collects both with `sys.settrace` (line events only in transformers' files; torch's and the standard
+library's frames are not traced further), and, when asked, the ATen ops each piece dispatched with their non-tensor
+arguments and the geometry of their tensors (`TorchDispatchMode`), so that two recordings at different positions can
+be compared (`proof.first_difference`), and any op dispatched between two pieces outside the code a replay runs again
+(`stray`). The cache update, the attention and a K-token forward's mask calls run again at every replay
+(`graphs._Recorder._eager`): while they run, and while the recorder does its own bookkeeping, the watch is paused.
+
+Recording-time only: a replay runs none of this. Where a trace function is already set (a debugger, coverage), the
+watch would displace it: the recording is not made (`why_busy`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import sysconfig
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ....undo.module_state import real_path
+
+_TRANSFORMERS = os.path.dirname(real_path(__import__("transformers").__file__)) + os.sep
+_TORCH = os.path.dirname(real_path(torch.__file__)) + os.sep
+_OURS = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(real_path(__file__))))) + os.sep
+_STDLIB = tuple(real_path(sysconfig.get_paths()[name]) + os.sep for name in ("stdlib", "platstdlib"))
+_SITE = tuple(real_path(sysconfig.get_paths()[name]) + os.sep for name in ("purelib", "platlib"))
+
+
+@functools.lru_cache(maxsize=4096)
+def kind_of(filename: str) -> str:
+    """"transformers", "torch" (torch's files and the standard library's: their own code, not traced further),
+    "ours" (this package), or "other"."""
+    if filename.startswith("<"):  # generated code (dataclasses' __init__, namedtuples): made by the stdlib
+        return "generated"
+    path = real_path(filename)
+    if path.startswith(_TRANSFORMERS):
+        return "transformers"
+    if path.startswith(_OURS):
+        return "ours"
+    if path.startswith(_TORCH) or (path.startswith(_STDLIB) and not path.startswith(_SITE)):
+        return "torch"
+    return "other"
+
+
+def why_busy() -> str | None:
+    """Why a watch cannot be installed now (None: it can)."""
+    if sys.gettrace() is not None:
+        return "a trace function is set (a debugger or coverage): the automatic proof needs its own"
+    return None
+
+
+class RunWatch:
+    """Install with `with watch:` around the recording's forward (this thread only); pause with `paused()`."""
+
+    def __init__(self, trace_ops: bool):
+        self.pause = 0
+        self.lines: dict = {}  # code object -> the line numbers executed
+        self.modules: dict = {}  # code object -> the name of the module whose globals it ran with
+        self.foreign: dict = {}  # code object of neither transformers, torch, the stdlib nor this package -> module
+        self.ops: list | None = [] if trace_ops else None
+        # ops the forward dispatched between a piece's end and the next one's start, outside the code a replay runs
+        # again: a replay would not run them (a query scaled after the cache update)
+        self.stray: list = []
+        self.between = False
+        self._mode = _OpLog(self) if trace_ops else None
+        self._thread = None
+
+    def __enter__(self):
+        self._thread = threading.get_ident()
+        sys.settrace(self._call)
+        if self._mode is not None:
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
+        finally:
+            sys.settrace(None)
+        return False
+
+    def paused(self):
+        return _Paused(self)
+
+    def _call(self, frame, event, arg):
+        if self.pause or event != "call":
+            return None
+        code = frame.f_code
+        kind = kind_of(code.co_filename)
+        if kind == "transformers":
+            if code not in self.lines:
+                self.lines[code] = set()
+                self.modules[code] = frame.f_globals.get("__name__", "")
+            return self._line
+        if kind == "other":
+            self.foreign.setdefault(code, frame.f_globals.get("__name__", "?"))
+        return None
+
+    def _line(self, frame, event, arg):
+        if event == "line" and not self.pause:
+            self.lines[frame.f_code].add(frame.f_lineno)
+        return self._line
+
+
+class _Paused:
+    __slots__ = ("watch",)
+
+    def __init__(self, watch):
+        self.watch = watch
+
+    def __enter__(self):
+        self.watch.pause += 1
+
+    def __exit__(self, *exc):
+        self.watch.pause -= 1
+        return False
+
+
+class _OpLog(TorchDispatchMode):
+    """Each ATen op of the pieces, as (op, arguments with every tensor by its geometry). Runs every op as it is: the
+    kernels are the ones eager chooses (the mode only looks)."""
+
+    def __init__(self, watch):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        watch = self.watch
+        if not watch.pause:
+            (watch.stray if watch.between else watch.ops).append((str(func), _shape_of(args), _shape_of(kwargs)))
+        return func(*args, **kwargs)
+
+
+def _shape_of(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device.type, value.storage_offset())
+    if isinstance(value, (list, tuple)):
+        return tuple(_shape_of(item) for item in value)
+    if isinstance(value, dict):
+        return tuple(sorted((key, _shape_of(item)) for key, item in value.items()))
+    if isinstance(value, (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format)):
+        return value
+    return type(value).__name__
