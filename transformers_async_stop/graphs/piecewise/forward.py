@@ -307,11 +307,13 @@ class PiecewiseForward:
         # sliding-window layers, or a window in the config (its forward may build a sliding mask, over any cache:
         # red team hole F): each layer's mask is the one its mask call gives, answered on the host at each replay
         # (`masks.host_mask`) from the step's own mask; a recording holds for the cache's layout it was made with
+        # (K tokens: each replay makes stock's masks with stock's functions, `steps.wide_mask`; sliding layers stay
+        # eager there)
         layout = tuple(map(type, cache.layers))
-        sliding = _SLIDING in layout or getattr(self.model.config, "sliding_window", None) is not None
+        if width != 1 and _SLIDING in layout:
+            return None, None, "sliding-window layers in a forward of more than one token"
+        sliding = width == 1 and (_SLIDING in layout or getattr(self.model.config, "sliding_window", None) is not None)
         if sliding:
-            if width != 1:
-                return None, None, "sliding-window attention in a forward of more than one token"
             mask = inputs.get("attention_mask")
             why = steps.sliding_step(mask, cache, self.model.config, _SLIDING in layout)
         elif width == 1:
