@@ -24,6 +24,8 @@
 #   blog      the blog's experiment: a static-cache generate() inside @torch.inference_mode(), Llama-1B-shaped bf16
 #             and #43089's tiny Llama, stock / upstream / flag side by side (scripts/inference_mode_blog.py)
 #   issue31   the CUDA classes of the default-deny, peft, path-report and piecewise tests (issues 31 and 33)
+#   families  the CUDA classes of the 31 families' graphed forward (found and proven per recording, and the sliding-
+#             window layers: issue 36), in FAMILY_WORKERS pytest workers (default 6)
 #   paired    the flag's ms/token on Llama-1B-shaped bf16 b1 DynamicCache, this tree against the earlier copy in
 #             .old/ (scripts/paired_speed.py), alternating processes, PAIRED_ROUNDS rounds (default 3)
 #   lora      the bench's llama-1b-lora case, stock vs flag (which forward a peft LoRA model gets, and its speed)
@@ -91,6 +93,13 @@ for tag in ${VERSIONS:-t523}; do
       tests/test_default_device.py tests/test_usage_holes.py tests/test_criteria_edits.py \
       $(ls tests/test_redteam_default_deny.py 2>/dev/null) -k "OnCuda or Cuda or cuda" > "$out/issue31_$ver.txt" 2>&1
     grep -E "passed|failed|^FAILED|Error" "$out/issue31_$ver.txt" | tail -25
+  fi
+  pack
+  if has families; then
+    timeout "${T_FAMILIES:-240}" python3 -m pytest -q -p no:cacheprovider -n "${FAMILY_WORKERS:-6}" \
+      tests/test_piecewise_found_families.py tests/test_piecewise_sliding.py tests/test_piecewise_families.py \
+      -k "Cuda" > "$out/families_$ver.txt" 2>&1
+    grep -E "passed|failed|^FAILED|Error" "$out/families_$ver.txt" | tail -25
   fi
   pack
   if has paired; then

@@ -78,13 +78,17 @@ class StepsAside(unittest.TestCase):
         with mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "0"}):
             self.assertEqual(why(build("llama")), f"{eligibility.PIECEWISE_ENV}=0")
 
-    def test_an_unproven_family_steps_aside(self):
+    def test_a_causal_lm_class_outside_transformers_steps_aside(self):
         from transformers import OPTConfig, OPTForCausalLM
+
+        class UserOPT(OPTForCausalLM):  # a family no one read is found only among transformers' own classes
+            pass
 
         config = OPTConfig(hidden_size=16, ffn_dim=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=VOCAB,
                            word_embed_proj_dim=16, max_position_embeddings=64)
         config._attn_implementation = "sdpa"
-        self.assertIn("not proven", why(OPTForCausalLM(config).eval()))  # GPT-2, its former case, is read now
+        self.assertEqual(why(UserOPT(config).eval()),
+                         "model family UserOPT not proven (not a transformers causal LM class)")
 
     def test_another_attention_implementation_steps_aside(self):
         self.assertIn("attention implementation 'eager'", why(build("llama", attn="eager")))

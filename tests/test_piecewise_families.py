@@ -233,14 +233,15 @@ class FamiliesStepAside(unittest.TestCase):
         model.model.rotary_emb.rope_type = {"full_attention": "dynamic"}
         self.assertEqual(_why(model), "rope type 'dynamic' has per-length state")
 
-    def test_gemma2_is_not_read(self):
-        # transformers refuses SDPA for it (attention logit soft-capping), and its layers alternate sliding windows
+    def test_gemma2_steps_aside_for_its_eager_attention(self):
+        # transformers refuses SDPA for it (attention logit soft-capping): found (`auto/discover.py`), but eager
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
         config = Gemma2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                               num_key_value_heads=1, head_dim=8, vocab_size=VOCAB, pad_token_id=PAD)
         config._attn_implementation = "eager"
-        self.assertEqual(_why(Gemma2ForCausalLM(config).eval()), "model family Gemma2ForCausalLM not proven")
+        self.assertEqual(_why(Gemma2ForCausalLM(config).eval()),
+                         "attention implementation 'eager' (only sdpa is proven)")
 
     def test_a_family_read_only_by_its_base_class_steps_aside(self):
         from transformers import GPT2DoubleHeadsModel

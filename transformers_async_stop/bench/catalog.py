@@ -1,10 +1,12 @@
-"""The built-in cases: the plain ones (cases.py) and assisted decoding's (assisted.py), which build on them."""
+"""The built-in cases: the plain ones (cases.py), assisted decoding's (assisted.py), which build on them, and one per
+family group the graphed forward proves without a hand read (family_cases.py)."""
 
 from __future__ import annotations
 
 from .assisted import assisted_cases
 from .cases import Case, plain_cases
+from .family_cases import family_cases
 
 
 def builtin_cases() -> dict[str, Case]:
-    return {**plain_cases(), **assisted_cases()}
+    return {**plain_cases(), **assisted_cases(), **family_cases()}
