@@ -1,13 +1,16 @@
 """Which models and calls the piecewise-graphed forward takes, decided once per call: a reason, or None.
 
 A replay runs no Python of the model's forward: every decision the forward makes in Python is baked into the graphs at
-the recording. So the path is taken only where each such decision is one the package has read and knows does not
-change with the length or the step (the sources behind `targets.SHORTCUTS` "piecewise forward (<family>)"):
+the recording. So the path is taken only where each such decision is one the package has proven does not change with
+the length or the step:
 
-- one of the families read (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2, Gemma 3 text), exactly their
-  causal LM and base classes, full attention only (no sliding window: its mask and its cache change with the length),
-  no cross-attention, no bidirectional attention, no attention logit soft-capping, SDPA from transformers' own registry;
-- a rotary embedding without per-length state (`dynamic`/`longrope` update their frequencies from the positions), or
+- a family read by hand (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2, Gemma 3 text; the sources behind
+  `targets.SHORTCUTS` "piecewise forward (<family>)"), exactly their causal LM and base classes; or any other
+  transformers causal LM, found from the model (`auto/discover.py`) and proven per recording from what it ran
+  (`auto/proof.py`, docs/design/family-proof.md);
+- full-attention or sliding-window layers (a sliding layer's mask is answered on the host at each replay), no
+  cross-attention, no bidirectional attention, no attention logit soft-capping, SDPA from transformers' own registry;
+- rotary embeddings without per-length state (`dynamic`/`longrope` update their frequencies from the positions), or
   none (GPT-2's learned position table, read in the first piece from the positions buffer);
 - no hook anywhere in the model and no instance-level `forward` (accelerate's wrappers, offloading, user hooks, and
   the output-capturing hooks transformers installs once attentions or hidden states were asked for), not training,
@@ -15,18 +18,14 @@ change with the length or the step (the sources behind `targets.SHORTCUTS` "piec
 - every parameter and buffer a plain tensor on the model's one CUDA device: no `device_map` across devices, no
   tensor parallelism (DTensor parameters, `tp_size`), no process group, no quantized weights (`hf_quantizer`), no
   meta (offloaded) tensors;
-- a forward that is the model's own `__call__` (not compiled), and a `DynamicCache` of `DynamicLayer`s;
-- default-deny (`proven.py`): every module of the model is one of the family's classes whose sources were read and
-  digested, or one of torch's own modules on a short list, with no instance-level override; a user module, a peft
-  adapter layer, a wrapper or a subclass anywhere keeps the forward eager, named in the reason. The torch functions the
-  forward's code looks up must be torch's own.
-Everything else keeps the eager forward, and `last_path().forward` says why.
-
-Gemma 3 in its released configs, and Gemma 2, never get here: their layers alternate sliding-window and full attention
-(the default `layer_types`), and a `DynamicCache` of `DynamicSlidingWindowLayer`s is left by the dynamic-cache loop to
-the deferred path (`dynamic_loop/eligibility.py`). Only a Gemma 3 configured with full-attention layers alone reaches
-this forward (graphed; with sliding layers it would step aside, "layers other than full attention"). Gemma 2 is not
-read ("model family ... not proven"): transformers refuses SDPA for it at construction (its soft-capping).
+- a forward that is the model's own `__call__` (not compiled), and a `DynamicCache` of `DynamicLayer`s and
+  `DynamicSlidingWindowLayer`s;
+- default-deny (`proven.py`): every module of the model is one of transformers' own classes (for a hand-read family,
+  one whose sources were read and digested), or one of torch's own modules on a short list, with no instance-level
+  override; a user module, a peft adapter layer, a wrapper or a subclass anywhere keeps the forward eager, named in
+  the reason. The torch functions the forward's code looks up must be torch's own.
+Everything else keeps the eager forward, and `last_path().forward` says why. Gemma 2 is found, but transformers
+refuses SDPA for it at construction (its soft-capping): "attention implementation 'eager'".
 """
 
 from __future__ import annotations
