@@ -157,6 +157,34 @@ class _GraphedDraftCases:
         self.assertEqual(dict(forward.graphs_of(helper).recordings), recordings)
 
 
+    def test_a_draft_recorded_and_unchanged_is_proven_once_per_call_not_per_round(self):
+        # each round's assistant generate() is a call: one whose recordings' snapshot is unchanged asks only what a
+        # call can change (`eligibility.why_not_again`, issue 38); a change between two calls is proven again
+        target, helper = build("llama", seed=0, device=self.DEVICE), build("llama", seed=1, device=self.DEVICE)
+        ids = prompt(batch=1, device=self.DEVICE)[0]
+        _check_against_stock(self, target, helper, ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
+        with mock.patch.object(piecewise, "why_not_model", wraps=piecewise.why_not_model) as full, \
+                mock.patch.object(piecewise, "why_not_again", wraps=piecewise.why_not_again) as again:
+            _check_against_stock(self, target, helper, ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
+            self.assertEqual(full.call_count, 0)
+            self.assertGreater(again.call_count, 1)
+            helper.model.layers[0].self_attn.scaling = helper.model.layers[0].self_attn.scaling * 2
+            _check_against_stock(self, target, helper, ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
+            self.assertGreater(full.call_count, 0)
+        self.assertTrue(tas.last_path().forward.startswith("draft graphed"), tas.last_path().forward)
+
+    def test_a_hook_added_between_calls_to_a_recorded_draft_keeps_it_eager(self):
+        target, helper = build("llama", seed=0, device=self.DEVICE), build("llama", seed=1, device=self.DEVICE)
+        ids = prompt(batch=1, device=self.DEVICE)[0]
+        _check_against_stock(self, target, helper, ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
+        handle = helper.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 1.0)
+        try:
+            _check_against_stock(self, target, helper, ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
+            self.assertEqual(tas.last_path().forward, "draft eager: a hook on LlamaMLP")
+        finally:
+            handle.remove()
+
+
 @unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.24")
 @mock.patch.dict(os.environ, ON)
 class DraftOnCuda(_GraphedDraftCases, unittest.TestCase):

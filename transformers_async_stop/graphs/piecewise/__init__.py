@@ -25,8 +25,8 @@ it captured, so every value is the eager forward's.
 from __future__ import annotations
 
 from ... import path_report
-from .eligibility import PIECEWISE_ENV, why_not_model
-from .forward import PiecewiseForward, tell
+from .eligibility import PIECEWISE_ENV, why_not_again, why_not_model
+from .forward import PiecewiseForward, graphs_of, tell
 
 __all__ = ["PIECEWISE_ENV", "forward_for"]
 
@@ -53,9 +53,13 @@ def forward_for(model, model_forward, generation_config, verify=False):
     if (role == "draft" and not DRAFT_ON) or (role == "verify" and not VERIFY_ON):
         return None
     report = path_report._current()
-    why = why_not_model(model, model_forward)
+    graphs = graphs_of(model)
+    # a model recorded and unchanged since (its snapshot compared, as before every replay) was proven then: only what
+    # a call can change is asked again (an assistant's draft is a call per round)
+    unchanged = bool(graphs.recordings) and not graphs.changed()
+    why = why_not_again(model, model_forward) if unchanged else why_not_model(model, model_forward)
     if why is not None:
         if report is not None:
             tell(report, role, f"eager: {why}")
         return None
-    return PiecewiseForward(model, model_forward, report, role=role)
+    return PiecewiseForward(model, model_forward, report, role=role, watched=graphs.watched if unchanged else None)

@@ -160,14 +160,9 @@ def why_not_model(model, model_forward) -> str | None:
         for kind in rope.values() if isinstance(rope, dict) else (rope,):  # Gemma 3: one per layer type
             if not isinstance(kind, str) or kind not in STATIC_ROPE:
                 return f"rope type {kind!r} has per-length state"
-    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
-        return "quantized weights"
-    if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
-        return "device_map across devices"
-    if getattr(model, "tp_size", None) or getattr(model, "_device_mesh", None) is not None:
-        return "tensor parallelism"
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return "a process group (distributed)"
+    why = _why_not_placed(model)
+    if why is not None:
+        return why
     if model.training:
         return "training mode"
     if torch.is_grad_enabled():
@@ -196,6 +191,52 @@ def why_not_model(model, model_forward) -> str | None:
     why = proven.why_foreign_functions(watched_functions(model, module))
     if why is not None:
         return why
+    return _why_not_device(model)
+
+
+def why_not_again(model, model_forward) -> str | None:
+    """`why_not_model` for a model whose recordings' snapshot is unchanged (`ModelGraphs.changed()` is False): it was
+    proven when recorded, and everything that proof read of the model (classes, modules, parameters, attributes,
+    configs, hooks' tables, rebound names, torch functions) is what the snapshot and the per-step checks compare
+    before every replay, any change sending it back to `why_not_model`. What a call can change without touching the
+    model is asked again: the switch, compilation, the forward handed in, the placement attributes the snapshot does
+    not compare (a quantizer, a device map, a mesh), a process group, training, gradients, hooks (added to tables the
+    snapshot holds), the device. An assistant's draft is a call per round (issue 38: its proof was 1.2-3.4 ms of
+    every round)."""
+    off = why_off()
+    if off is not None:
+        return off
+    if compiling():
+        return "inside torch.compile"
+    if model_forward != model.__call__:
+        return "a compiled forward"
+    why = _why_not_placed(model)
+    if why is not None:
+        return why
+    if model.training:
+        return "training mode"
+    if torch.is_grad_enabled():
+        return "gradients enabled"
+    # a hook added to a table the snapshot holds is the same table: found here, as the first step would find it
+    why = why_observed(model)
+    if why is not None:
+        return why
+    return _why_not_device(model)
+
+
+def _why_not_placed(model) -> str | None:
+    if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
+        return "quantized weights"
+    if len(set(getattr(model, "hf_device_map", {}).values())) > 1:
+        return "device_map across devices"
+    if getattr(model, "tp_size", None) or getattr(model, "_device_mesh", None) is not None:
+        return "tensor parallelism"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "a process group (distributed)"
+    return None
+
+
+def _why_not_device(model) -> str | None:
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda" and not emulates(device):  # emulated: CPU tests only
         return f"not CUDA ({device.type})"

@@ -62,7 +62,7 @@ except ImportError:  # a release without it: no cache holds one
 class PiecewiseForward:
     """`model_forward` for one call of the dynamic-cache loop (see the module docstring)."""
 
-    def __init__(self, model, model_forward, report, role="decode"):
+    def __init__(self, model, model_forward, report, role="decode", watched=None):
         if role not in ROLES:
             raise ValueError(f"role={role!r}: one of {ROLES}")
         self.model, self.eager, self.report = model, model_forward, report
@@ -71,7 +71,17 @@ class PiecewiseForward:
         self.wide = role != "decode"  # takes forwards of K > 1 tokens (batch 1)
         self.graphs = graphs_of(model)
         self.family = eligibility.family_of(model)
-        self._watch()
+        if watched is not None:
+            # the lists an earlier call made of this model, whose snapshot the caller just found unchanged
+            # (`forward_for`): the same modules, tables and names (a change since is one `changed` finds). They are
+            # kept without the model itself (the store is keyed by the model, weakly: red team hole 4)
+            modules, tables, plain, dicts, self.rebound, rest, self.embeddings = watched
+            self.modules, self.every = modules, [model, *rest]
+            self.hook_tables = [*_hook_tables(model), *tables]
+            self.plain_hook_tables = plain and all(type(table) in _PLAIN_TABLES for table in self.hook_tables[:4])
+            self.module_dicts = [model.__dict__, *dicts]
+        else:
+            self._watch()
         self.device = model.get_input_embeddings().weight.device
         self.off = None  # why the rest of the call runs eagerly
         self.replayed = self.eager_steps = 0
@@ -84,9 +94,7 @@ class PiecewiseForward:
         base = eligibility.base_of(model)
         self.modules = family.attentions(base, model.config)
         every = list(model.modules())
-        self.hook_tables = [table for module in every for table in (
-            module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
-            getattr(module, "_backward_pre_hooks", {}))]
+        self.hook_tables = [table for module in every for table in _hook_tables(module)]
         # torch's own tables (dict / OrderedDict, whose truth is their length): `any` tests them without a call each;
         # a table of another type (a user's mapping) keeps the per-table `len`
         self.plain_hook_tables = all(type(table) in _PLAIN_TABLES for table in self.hook_tables)
@@ -99,6 +107,11 @@ class PiecewiseForward:
         # replaced child, which `ModelGraphs.changed` finds before any replay; `_record` watches again, and keys the
         # recording it makes by the module as it is then
         self.embeddings = model.get_input_embeddings()
+        # kept with the model's recordings for the next call (`forward_for`), dropped with its snapshot; the model's
+        # own entries (the first of `every` and `module_dicts`, its four hook tables) are left out: the store is the
+        # value of a weak dictionary keyed by the model
+        self.graphs.watched = (self.modules, self.hook_tables[4:], self.plain_hook_tables, self.module_dicts[1:],
+                               self.rebound, every[1:], self.embeddings)
 
     def __call__(self, **inputs):
         # every step compares the model with its recordings' snapshot in full: user code can run between two steps
@@ -341,6 +354,11 @@ class PiecewiseForward:
                # the model's dtype, last (`_record` puts the one of the embedding module as it watches it then)
                self.embeddings.weight.dtype)
         return mask, key, None
+
+
+def _hook_tables(module) -> tuple:
+    return (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
+            getattr(module, "_backward_pre_hooks", {}))
 
 
 def tell(report, role: str, text: str) -> None:

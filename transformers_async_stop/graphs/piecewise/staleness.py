@@ -89,6 +89,8 @@ class ModelGraphs:
         self.sizes: list = []
         self.contents: list = []  # the list/tuple/dict/set attributes of modules and configs, and deep copies
         self.copies: list = []
+        # the last call's per-step watch lists (`PiecewiseForward._watch`), for the next call of an unchanged model
+        self.watched = None
 
     def clear(self) -> None:
         # `seen` stays: it counts the widths a caller asks for, which a stale model does not change
