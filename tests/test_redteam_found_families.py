@@ -1,7 +1,7 @@
 """Red team of the families found and proven per recording (9f641aa, issue 36): docs/red-team/2026-11-28-found-families.md.
 
 Each case: a tiny random-weight model of a found family on the CPU with the graphs emulated, the flag against
-unpatched stock (`models.stock()`), sequences and logits compared. The tests marked `@unittest.expectedFailure` and
+unpatched stock (`models.stock()`), sequences and logits compared. The tests of the holes (fixed since) and
 `# HOLE n` fail today (the flag replays what stock no longer computes) and pass once the hole is fixed; the others are
 attempts that held.
 """
@@ -72,7 +72,6 @@ class RedTeamFoundFamilies(unittest.TestCase):
     # a `GeneralInterface`, a MutableMapping but no dict, so `rules.py`'s container rule does not refuse it) is looked
     # up by `use_experts_implementation`'s `forward` at every stock forward. Neither staleness nor `why_not_model`
     # watches it: a function registered between calls (or mid-call) is never run by a replay.
-    @unittest.expectedFailure
     def test_experts_function_registered_between_calls(self):
         from transformers.integrations import moe
 
@@ -86,7 +85,6 @@ class RedTeamFoundFamilies(unittest.TestCase):
             moe.ALL_EXPERTS_FUNCTIONS._local_mapping.pop("grouped_mm", None)
 
     # HOLE 1, mid-call: `ExpertsInterface.register` by a processor at the third step
-    @unittest.expectedFailure
     def test_experts_function_registered_mid_call(self):
         from transformers.integrations import moe
 
@@ -101,7 +99,6 @@ class RedTeamFoundFamilies(unittest.TestCase):
     # `grouped_mm_experts_forward` -> `_grouped_linear`), proven by the rules alone, is not watched: `eligibility.
     # _looked_up` covers the modeling module's own code and the hand-read sources only, yet `rules.py` passes module
     # attributes as "compared before every replay". Rebound mid-call, stock runs the new one, a replay the old.
-    @unittest.expectedFailure
     def test_a_moe_module_global_rebound_mid_call(self):
         from transformers.integrations import moe
 
@@ -117,7 +114,6 @@ class RedTeamFoundFamilies(unittest.TestCase):
 
     # HOLE 2, torch's side: `torch.nn.functional.grouped_mm`, looked up by `moe._grouped_mm`, is not among the torch
     # names `why_foreign_functions` / staleness compare (`code_names.watched_functions`: the modeling module's code)
-    @unittest.expectedFailure
     def test_a_torch_function_looked_up_outside_the_modeling_module_rebound_mid_call(self):
         functional = torch.nn.functional
         if not hasattr(functional, "grouped_mm"):
@@ -137,7 +133,6 @@ class RedTeamFoundFamilies(unittest.TestCase):
     # `<ipython-input-...>`, doctests) runs in the recorded forward unseen. Here a stateful experts function (its
     # scale changes at its 14th call) registered before the call: from a file it is refused ("code the package has
     # not read ran"), compiled as "<string>" its first recording is kept and replayed.
-    @unittest.expectedFailure
     def test_user_code_compiled_from_a_string_is_foreign(self):
         self._stateful_experts("<string>")
 

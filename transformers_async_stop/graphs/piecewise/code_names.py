@@ -65,7 +65,13 @@ def watched_functions(model, module) -> list:
     for value in list(vars(module).values()):
         if callable(value) and getattr(value, "__module__", None) == module.__name__ and hasattr(value, "__code__"):
             _codes(value, codes)
-    names = _names(codes)
+    return torch_entries(_names(codes))
+
+
+def torch_entries(names) -> list:
+    """(namespace, name, object) for each of `names` found in torch's namespaces, and on `torch.Tensor` (with the
+    tensor operators the interpreter looks up)."""
+    names = set(names)
     entries = []
     for namespace in _TORCH_NAMESPACES:
         table = vars(namespace)

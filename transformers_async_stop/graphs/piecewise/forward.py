@@ -222,6 +222,7 @@ class PiecewiseForward:
         if verdict.why is not None:
             return _failed(graphs.failed, key, f"not proven: {verdict.why}")
         if not verdict.checked:
+            graphs.watch(verdict.names, verdict.registries)
             return None
         first = graphs.first_runs.pop(key, None)
         if first is None:
@@ -232,6 +233,7 @@ class PiecewiseForward:
         difference = proof.first_difference(first, watch.ops)
         if difference is not None:
             return _failed(graphs.failed, key, f"not proven: two positions ran different ops: {difference}")
+        graphs.watch(verdict.names, verdict.registries)
         return None
 
     def _replayed(self, outputs):

@@ -163,6 +163,19 @@ class ModelGraphs:
         self.strides = list(map(torch.Tensor.stride, tensors))
         self.guards = _guard(tensors, self.shapes, self.strides)
 
+    def watch(self, entries, registries) -> None:
+        """Compare these too before every replay, until the next snapshot: the names the code a proven recording ran
+        looks up ((namespace dict, name, object), `auto/proof.py`) and the registries it read (by their contents)."""
+        self.functions = self.functions + list(entries)
+        kinds: dict = {}
+        for entry in self.functions:
+            kinds.setdefault(type(entry[0]), []).append(entry)
+        self._functions = [(kind.get, *_columns(group)) for kind, group in kinds.items()]
+        for registry in registries:
+            if not any(registry is seen for seen in self.contents):
+                self.contents.append(registry)
+                self.copies.append(dict(registry.items()))
+
     def changed(self) -> bool:
         # checked before every replay: C-level maps over the flat lists (a few tens of microseconds for a 1B model)
         tables, names, values = self._columns

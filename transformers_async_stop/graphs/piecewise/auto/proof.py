@@ -24,6 +24,10 @@ from . import normal_form, rules
 class Verdict:
     why: str | None  # the recording cannot be kept (None: it can)
     checked: tuple = ()  # the functions that passed the rules alone (the recording must be confirmed)
+    # what the functions that ran look up by name, to compare before every replay (`staleness.ModelGraphs.watch`):
+    # (namespace dict, name, object) entries, and the registries they read
+    names: list = dataclasses.field(default_factory=list)
+    registries: list = dataclasses.field(default_factory=list)
 
 
 def why_unproven(watch, family, read: frozenset) -> Verdict:
@@ -41,16 +45,34 @@ def why_unproven(watch, family, read: frozenset) -> Verdict:
             return Verdict(f"transformers code without a readable source ran: {module}.{_qualname(code)}")
         entry = nodes.setdefault(id(node), (node, module, set(), code))
         entry[2].update(lines)
-    checked = []
+    checked, registries = [], []
     for node, module, lines, code in nodes.values():
         digest = normal_form.normal_digest(node, prefix if module == family.module else None)
         if digest in read or _generic_read(module, code):
             continue
-        why = rules.why_refused(node, lines, vars(sys.modules[module]) if module in sys.modules else {})
+        names = dict(vars(sys.modules[module])) if module in sys.modules else {}
+        names.update(watch.closures.get(code, {}))
+        why = rules.why_refused(node, lines, names, registries)
         if why is not None:
             return Verdict(f"{module}.{node.name} {why}")
         checked.append(f"{module}.{node.name}")
-    return Verdict(None, tuple(sorted(checked)))
+    return Verdict(None, tuple(sorted(checked)), _looked_up(watch), registries)
+
+
+def _looked_up(watch) -> list:
+    """(namespace dict, name, object) for every name the transformers code that ran looks up in its module's globals
+    or in torch's namespaces: rebound after the recording (`_grouped_linear`, `F.grouped_mm` set by user code), stock's
+    next forward runs the new object and a replay the recorded one (red team hole 2)."""
+    from ..code_names import torch_entries
+
+    entries, names = [], set()
+    for code, module in watch.modules.items():
+        table = vars(sys.modules[module]) if module in sys.modules else {}
+        for name in code.co_names:
+            names.add(name)
+            if name in table:
+                entries.append((table, name, table[name]))
+    return entries + torch_entries(names)
 
 
 GENERIC = "piecewise generic machinery (found families)"

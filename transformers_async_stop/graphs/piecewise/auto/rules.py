@@ -13,7 +13,8 @@ lines, `run_watch.py`), the rules refuse:
   `time`, `random`, `os`, `sys`, `datetime`, `numpy`, `threading`;
 - state kept between calls: `global` / `nonlocal`, an attribute set or deleted (`self.calls += 1`), a write into
   an object the function did not make (`self.table[k] = v`), `setattr` / `delattr`, and a read of a mutable
-  container its module keeps (a dict or list whose contents may change between replays);
+  container its module or closure keeps (a dict, a list, any mutable mapping whose contents may change between
+  replays), but for transformers' function registries, whose contents are then compared before every replay;
 - a log written every step (a replay writes none): a `logger` call other than the `*_once` ones, `warnings.warn`,
   `print`.
 
@@ -25,6 +26,8 @@ caught by recording twice, at two positions, and comparing the ops and scalars o
 from __future__ import annotations
 
 import ast
+import collections.abc
+import sys
 
 CACHE_NAMES = frozenset(("past_key_values", "past_key_value", "cache", "layer_past", "past_key_values_cache"))
 _HOST_READS = frozenset(("item", "tolist", "cpu", "numpy"))
@@ -38,23 +41,26 @@ _HEADERS = {ast.If: ("test",), ast.While: ("test",), ast.For: ("target", "iter")
 _BODIES = ("body", "orelse", "finalbody", "handlers", "cases")
 
 
-def why_refused(function_node, executed: set, module_globals: dict) -> str | None:
+def why_refused(function_node, executed: set, names: dict, registries: list | None = None) -> str | None:
     """The first rule a statement of `function_node` among the `executed` lines breaks, as a reason; None: none.
-    `module_globals`: the globals it ran with (a global container it reads is state its module keeps)."""
-    global _LOCALS, _GLOBALS
-    _LOCALS, _GLOBALS = _local_names(function_node), module_globals
+    `names`: the globals it ran with and its free variables' values (a container it reads there is state kept
+    between calls). A transformers registry it reads (`GeneralInterface`: the attention, mask and experts functions)
+    is appended to `registries`: its contents are compared before every replay (`staleness.ModelGraphs.watch`)."""
+    global _LOCALS, _GLOBALS, _REGISTRIES
+    _LOCALS, _GLOBALS, _REGISTRIES = _local_names(function_node), names, registries if registries is not None else []
     try:
         return _block(function_node.body, executed)
     finally:
-        _GLOBALS = {}
+        _GLOBALS, _REGISTRIES = {}, []
 
 
 _LOCALS: frozenset = frozenset()  # the names the function being judged binds itself (its arguments, assignments)
 _GLOBALS: dict = {}
-# mutable containers its module keeps: their contents can change between replays unseen, except transformers'
-# registries that every replay looks up again (`forward._attention`, `steps.own_sdpa_mask`)
-_CONTAINERS = (dict, list, set, bytearray)
-_LOOKED_UP_AGAIN = frozenset(("ALL_ATTENTION_FUNCTIONS", "ALL_MASK_ATTENTION_FUNCTIONS"))
+_REGISTRIES: list = []
+# mutable containers a module or a closure keeps: their contents can change between replays unseen (a mapping that is
+# not a dict, such as transformers' registries, too: red team hole 1), except transformers' registries, watched
+_CONTAINERS = (collections.abc.MutableMapping, collections.abc.MutableSequence, collections.abc.MutableSet,
+               bytearray)
 
 
 def _local_names(function_node) -> frozenset:
@@ -154,9 +160,13 @@ def _node(item, parents) -> str | None:
             return f"reads {item.id!r} on the host"
         if item.id in CACHE_NAMES:
             return _cache_use(item, parents)
-        if item.id not in _LOCALS and item.id not in _LOOKED_UP_AGAIN and isinstance(_GLOBALS.get(item.id),
-                                                                                     _CONTAINERS):
-            return f"reads the global {item.id!r}, a {type(_GLOBALS[item.id]).__name__} its module keeps"
+        value = _GLOBALS.get(item.id) if item.id not in _LOCALS else None
+        if isinstance(value, _CONTAINERS):
+            if _registry(value):
+                if not any(value is seen for seen in _REGISTRIES):
+                    _REGISTRIES.append(value)
+            else:
+                return f"reads the global {item.id!r}, a {type(value).__name__} its module keeps"
         if item.id in _LOGGERS and item.id not in _LOCALS:
             parent = parents.get(item)
             attr = parent.attr if isinstance(parent, ast.Attribute) else ""
@@ -166,6 +176,13 @@ def _node(item, parents) -> str | None:
             and parents[item].func is item:
         return f"reads the device on the host (.{item.attr}())"
     return None
+
+
+def _registry(value) -> bool:
+    """One of transformers' function registries (`GeneralInterface`: attention, mask, experts functions)."""
+    generic = sys.modules.get("transformers.utils.generic")
+    interface = getattr(generic, "GeneralInterface", None)
+    return interface is not None and isinstance(value, interface)
 
 
 def _cache_use(name, parents) -> str | None:

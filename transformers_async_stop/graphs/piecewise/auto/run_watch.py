@@ -37,8 +37,10 @@ _SITE = tuple(real_path(sysconfig.get_paths()[name]) + os.sep for name in ("pure
 @functools.lru_cache(maxsize=4096)
 def kind_of(filename: str) -> str:
     """"transformers", "torch" (torch's files and the standard library's: their own code, not traced further),
-    "ours" (this package), or "other"."""
-    if filename.startswith("<"):  # generated code (dataclasses' __init__, namedtuples): made by the stdlib
+    "ours" (this package), "generated" (compiled from a string: judged by the module it runs in), or "other"."""
+    if filename.startswith("<frozen "):  # the standard library's frozen modules (`abc`, `os`, `codecs` in 3.11+)
+        return "torch"
+    if filename.startswith("<"):  # compiled from a string: dataclasses' methods, named tuples, or a user's `exec`
         return "generated"
     path = real_path(filename)
     if path.startswith(_TRANSFORMERS):
@@ -65,6 +67,7 @@ class RunWatch:
         self.lines: dict = {}  # code object -> the line numbers executed
         self.modules: dict = {}  # code object -> the name of the module whose globals it ran with
         self.foreign: dict = {}  # code object of neither transformers, torch, the stdlib nor this package -> module
+        self.closures: dict = {}  # code object -> its free variables' values (a decorator's registry, say)
         self.ops: list | None = [] if trace_ops else None
         # ops the forward dispatched between a piece's end and the next one's start, outside the code a replay runs
         # again: a replay would not run them (a query scaled after the cache update)
@@ -100,7 +103,18 @@ class RunWatch:
             if code not in self.lines:
                 self.lines[code] = set()
                 self.modules[code] = frame.f_globals.get("__name__", "")
+                if code.co_freevars:
+                    local = frame.f_locals
+                    self.closures[code] = {name: local.get(name) for name in code.co_freevars}
             return self._line
+        if kind == "generated":
+            # code compiled from a string: a dataclass's or a named tuple's methods, made by the standard library for
+            # a class of transformers' or torch's, run with that module's globals; anything else (`exec`, a notebook
+            # cell, a doctest) is a user's (red team hole 3)
+            module = frame.f_globals.get("__name__", "") or ""
+            if not module.startswith(("transformers.", "torch.", "dataclasses", "collections")):
+                self.foreign.setdefault(code, module or "?")
+            return None
         if kind == "other":
             self.foreign.setdefault(code, frame.f_globals.get("__name__", "?"))
         return None
