@@ -19,7 +19,7 @@ FAMILIES = (
 # the cache's length on the host every step
 EAGER = {
     "falcon": "attention does not go through transformers' attention functions",
-    "opt": "reads the cache's 'get_seq_length' on the host",
+    "opt": "reads 'get_seq_length' on the host",
 }
 _SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)

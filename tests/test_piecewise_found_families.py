@@ -83,9 +83,14 @@ class TheRulesRefuseWhatAReplayWouldBakeIn(unittest.TestCase):
     """`auto/rules.py` on functions that ran every line."""
 
     CASES = {
-        "reads the cache's 'get_seq_length'": "def f(x, past_key_values):\n    n = past_key_values.get_seq_length()\n"
+        "reads 'get_seq_length' on the host (a cache's length)": "def f(x, past_key_values):\n"
+                                                                 "    n = past_key_values.get_seq_length()\n"
                                               "    return x[:, :n]",
         "reads the cache on the host (len())": "def f(x, cache):\n    return x * len(cache)",
+        "reads 'get_mask_sizes' on the host (a cache's length)": "def f(x, **kwargs):\n    c = kwargs['cache']\n"
+                                                                 "    return x[:, :c.get_mask_sizes()[0]]",
+        "reads the cache on the host (getattr())": "def f(x, past_key_values):\n"
+                                                   "    return getattr(past_key_values, 'layers')",
         "sets the attribute 'calls'": "def f(self, x):\n    self.calls += 1\n    return x",
         "a global statement": "def f(x):\n    global STEP\n    return x",
         "writes into an object it did not make": "def f(self, x):\n    self.seen[0] = x\n    return x",

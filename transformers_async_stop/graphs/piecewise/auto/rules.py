@@ -31,6 +31,9 @@ import sys
 
 CACHE_NAMES = frozenset(("past_key_values", "past_key_value", "cache", "layer_past", "past_key_values_cache"))
 _HOST_READS = frozenset(("item", "tolist", "cpu", "numpy"))
+# what tells a cache's length, under any name: the methods and counters of transformers' caches and layers
+_LENGTH_READS = frozenset(("get_seq_length", "get_mask_sizes", "get_max_cache_shape", "get_usable_length",
+                           "cumulative_length", "seen_tokens", "_seen_tokens"))
 # what a cache tells that its type and layers fix for the call (the layer kinds), not the step: read freely
 _CACHE_FIXED = frozenset(("update", "is_sliding", "is_linear", "is_dummy", "is_compileable"))
 _HOST_STATE = frozenset(("time", "random", "os", "sys", "datetime", "np", "numpy", "threading", "print", "input",
@@ -175,6 +178,12 @@ def _node(item, parents) -> str | None:
     if isinstance(item, ast.Attribute) and item.attr in _HOST_READS and isinstance(parents.get(item), ast.Call) \
             and parents[item].func is item:
         return f"reads the device on the host (.{item.attr}())"
+    if isinstance(item, ast.Attribute) and item.attr in _LENGTH_READS:
+        # whatever holds the cache under another name (`kwargs["past_key_values"]`, a renamed argument)
+        return f"reads {item.attr!r} on the host (a cache's length)"
+    if isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and item.func.id in ("getattr", "hasattr") \
+            and item.args and isinstance(item.args[0], ast.Name) and item.args[0].id in CACHE_NAMES:
+        return f"reads the cache on the host ({item.func.id}())"
     return None
 
 
