@@ -24,6 +24,9 @@
 #   blog      the blog's experiment: a static-cache generate() inside @torch.inference_mode(), Llama-1B-shaped bf16
 #             and #43089's tiny Llama, stock / upstream / flag side by side (scripts/inference_mode_blog.py)
 #   issue31   the CUDA classes of the default-deny, peft, path-report and piecewise tests (issues 31 and 33)
+#   issue37   issue 37's CUDA checks: the sequence mirror and seed 297's mechanism (tests/test_assisted_mirror.py,
+#             tests/test_usage_holes.py), and 5.24's static cache with an assistant, each case in its own process
+#             (tests/test_assisted_static_524.py, scripts/assisted_static_524.py --log)
 #   families  the CUDA classes of the 31 families' graphed forward (found and proven per recording, and the sliding-
 #             window layers: issue 36), in FAMILY_WORKERS pytest workers (default 6)
 #   paired    the flag's ms/token on Llama-1B-shaped bf16 b1 DynamicCache, this tree against the earlier copy in
@@ -93,6 +96,16 @@ for tag in ${VERSIONS:-t523}; do
       tests/test_default_device.py tests/test_usage_holes.py tests/test_criteria_edits.py \
       $(ls tests/test_redteam_default_deny.py 2>/dev/null) -k "OnCuda or Cuda or cuda" > "$out/issue31_$ver.txt" 2>&1
     grep -E "passed|failed|^FAILED|Error" "$out/issue31_$ver.txt" | tail -25
+  fi
+  pack
+  if has issue37; then
+    timeout "${T_ISSUE37:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_assisted_mirror.py \
+      tests/test_usage_holes.py tests/test_assisted_static_524.py -k "Cuda or cuda" > "$out/issue37_$ver.txt" 2>&1
+    grep -E "passed|failed|^FAILED|Error" "$out/issue37_$ver.txt" | tail -15
+    case $ver in 5.2[4-9]*|5.[3-9]*)  # 5.24 accepts a static cache with an assistant; earlier releases raise
+      timeout "${T_STATIC524:-150}" python3 scripts/assisted_static_524.py --log > "$out/static524_$ver.txt" 2>&1
+      echo "--- static524 (exit $?)"; grep -vE "Warning|warn\(" "$out/static524_$ver.txt" | tail -20 ;;
+    esac
   fi
   pack
   if has families; then
