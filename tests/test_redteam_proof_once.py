@@ -4,8 +4,8 @@ fixes (0707278, 257e92b): docs/red-team/2026-11-28-proof-once.md.
 `forward_for` now skips `eligibility.why_not_model` for a model with recordings whose snapshot is unchanged
 (`ModelGraphs.changed()` False) and asks only `eligibility.why_not_again`; the per-step watch lists are the previous
 call's. Each case: a tiny model on the CPU with the graphs emulated, recorded by two calls, then changed between calls,
-then the flag against unpatched stock (`models.stock()`). The tests marked `# HOLE n` fail today (the flag replays
-what stock no longer computes, where the full proof refuses the model); the others are attempts that held.
+then the flag against unpatched stock (`models.stock()`). The tests marked `# HOLE n` failed before their fix (the flag
+replayed what stock no longer computes, where the full proof refuses the model); the others are attempts that held.
 """
 
 from __future__ import annotations
@@ -71,7 +71,6 @@ class RedTeamProofOnce(_Base):
     # only `torch.nn.Module`'s internals: `LlamaMLP._call_impl = f` (run by every stock call of the module through
     # `Module._wrapped_call_impl`) or a property shadowing an instance attribute is unseen; the previous call's
     # recordings replay.
-    @unittest.expectedFailure
     def test_call_impl_set_on_a_transformers_class_between_calls(self):
         from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -87,7 +86,6 @@ class RedTeamProofOnce(_Base):
         self._against_stock(model)
 
     # HOLE 1 (a property on the class, a data descriptor: it wins over the instance's `scaling`)
-    @unittest.expectedFailure
     def test_property_shadowing_an_instance_attribute_set_on_the_class_between_calls(self):
         from transformers.models.llama.modeling_llama import LlamaAttention
 
@@ -102,7 +100,6 @@ class RedTeamProofOnce(_Base):
     # `changed()` compares each module `__dict__`'s length and its public attributes' identities; `why_not_model`'s
     # `proven.why_unread` refuses an unregistered module in `__dict__` or an instance-level `_call_impl`, but is no
     # longer asked between calls, and `_why_not_observed` looks for "forward" only.
-    @unittest.expectedFailure
     def test_unregistered_module_with_dict_size_kept_between_calls(self):
         model = build("llama")
         self._warm(model)
@@ -122,7 +119,6 @@ class RedTeamProofOnce(_Base):
         self._against_stock(model)
 
     # HOLE 2 (an instance-level `_call_impl`, the size kept)
-    @unittest.expectedFailure
     def test_instance_call_impl_with_dict_size_kept_between_calls(self):
         model = build("llama")
         self._warm(model)
@@ -305,7 +301,6 @@ class RedTeamProofOnceDraft(_Base):
         self._assisted(target, helper, change, lambda: setattr(layer, "scaling", scaling))
 
     # HOLE 1 on the draft: a class attribute set between two rounds by a processor on the target
-    @unittest.expectedFailure
     def test_draft_class_call_impl_set_between_rounds(self):
         from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
@@ -323,7 +318,8 @@ class RedTeamProofOnceDraft(_Base):
 
         self.addCleanup(undo)
         self._assisted(target, helper, change, undo)
-        self.assertTrue(tas.last_path().forward.startswith("draft graphed"), tas.last_path().forward)
+        # the class changed under the draft's recordings: proven again, and refused, named
+        self.assertIn("Qwen2MLP._call_impl", tas.last_path().forward)
 
 
 if __name__ == "__main__":

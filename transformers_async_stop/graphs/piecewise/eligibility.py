@@ -221,6 +221,11 @@ def why_not_again(model, model_forward) -> str | None:
     why = why_observed(model)
     if why is not None:
         return why
+    # a module's `__dict__` edited to the same size (an attribute deleted, an override set): the snapshot compares
+    # sizes only
+    why = proven.why_instances(model)
+    if why is not None:
+        return why
     return _why_not_device(model)
 
 
@@ -288,7 +293,6 @@ def _looked_up(module, family: Family) -> list:
     found = _LOOKED_UP.get(key)
     if found is not None:
         return found
-    from ...release_checks.targets import TARGETS
     from ...release_checks.verified import resolve_source, sources_of
     from .code_names import code_names
 
@@ -314,17 +318,25 @@ def _looked_up(module, family: Family) -> list:
             continue
         pairs.add((holder, attr))
         pairs.update((owner, name) for name in code_names(function) if name in vars(owner))
-    # the package's own patch targets (the SDPA mask-skip check...) change with `apply()` / `unpatch()`: what they
-    # compute is the stock function's (tests/test_patching.py), so they are not a user's rebinding
+    patched = patched_targets()
+    pairs = [(owner, name) for owner, name in pairs if (id(owner), name) not in patched]
+    found = _LOOKED_UP[key] = sorted(pairs, key=lambda pair: (getattr(pair[0], "__name__", ""), pair[1]))
+    return found
+
+
+def patched_targets() -> set:
+    """(id of the owner, attribute) of the package's own patch targets (the SDPA mask-skip check...): they change with
+    `apply()` / `unpatch()`, and what they compute is the stock function's (tests/test_patching.py), so they are not a
+    user's rebinding."""
+    from ...release_checks.targets import TARGETS
+
     patched = set()
     for target in TARGETS:
         try:
             patched.add((id(target.resolve_owner()), target.attr))
         except (ImportError, AttributeError):
             continue
-    pairs = [(owner, name) for owner, name in pairs if (id(owner), name) not in patched]
-    found = _LOOKED_UP[key] = sorted(pairs, key=lambda pair: (getattr(pair[0], "__name__", ""), pair[1]))
-    return found
+    return patched
 
 
 def why_rebound(entries) -> str | None:

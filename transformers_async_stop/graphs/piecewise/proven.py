@@ -71,24 +71,41 @@ def why_unread(model, family_sources) -> str | None:
         if why == "":
             why = verdicts[cls] = _why_class(cls, family_sources, helpers)
         if why is None:
-            table = module.__dict__
-            why = next((f"an instance-level {attr}" for attr in _INSTANCE_OVERRIDES if attr in table), None)
-            if why is None:
-                # red team hole R5b: an instance attribute shadowing a method of its class (`norm._norm = f`)
-                why = next((f"an instance-level {attr}" for attr, value in table.items()
-                            if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor))
-                            and _function_of(getattr(cls, attr, None)) is not None), None)
-            if why is None:
-                # a module kept out of `_modules` (`object.__setattr__(layer, "mlp", wrapper)`) is found by the
-                # forward's `self.mlp` before the registered child, and `named_modules()` never lists it
-                why = next((f"an unregistered module in its {attr!r}" for attr, value in table.items()
-                            if isinstance(value, torch.nn.Module)), None)
-            if why is None and table.get("_compiled_call_impl") is not None:
-                why = "a compiled module (module.compile())"
+            why = _why_instance(module, cls)
         if why is not None:
             where = name or "the model"
             return f"{where} ({cls.__module__}.{cls.__qualname__}): {why}"
     return None
+
+
+def why_instances(model) -> str | None:
+    """`why_unread`'s checks of each module's own `__dict__` alone (its classes proven before): asked again at each
+    call of a model whose recordings' snapshot is unchanged (`eligibility.why_not_again`), as the snapshot compares a
+    `__dict__`'s size, not which names it holds (red team of the proof-once cut, hole 2)."""
+    for name, module in model.named_modules():
+        why = _why_instance(module, type(module))
+        if why is not None:
+            cls = type(module)
+            return f"{name or 'the model'} ({cls.__module__}.{cls.__qualname__}): {why}"
+    return None
+
+
+def _why_instance(module, cls) -> str | None:
+    table = module.__dict__
+    why = next((f"an instance-level {attr}" for attr in _INSTANCE_OVERRIDES if attr in table), None)
+    if why is None:
+        # red team hole R5b: an instance attribute shadowing a method of its class (`norm._norm = f`)
+        why = next((f"an instance-level {attr}" for attr, value in table.items()
+                    if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor))
+                    and _function_of(getattr(cls, attr, None)) is not None), None)
+    if why is None:
+        # a module kept out of `_modules` (`object.__setattr__(layer, "mlp", wrapper)`) is found by the
+        # forward's `self.mlp` before the registered child, and `named_modules()` never lists it
+        why = next((f"an unregistered module in its {attr!r}" for attr, value in table.items()
+                    if isinstance(value, torch.nn.Module)), None)
+    if why is None and table.get("_compiled_call_impl") is not None:
+        why = "a compiled module (module.compile())"
+    return why
 
 
 def _helper_sources() -> frozenset:

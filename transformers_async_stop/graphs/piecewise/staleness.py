@@ -143,6 +143,11 @@ class ModelGraphs:
         # a field added to a config (`config.is_causal = False` set by a processor: stock's next forward reads it, a
         # replay keeps what the recording read; red team hole 1 of the verify forward) likewise
         self.dicts = [module.__dict__ for module in every] + config_dicts
+        # and the class tables along the method order of every module class: an attribute set on a class (an
+        # `_call_impl`, a property shadowing an instance attribute) is what stock's next call runs, and no rebound name
+        # names it (red team of the proof-once cut, hole 1)
+        self.dicts += [vars(klass) for klass in dict.fromkeys(
+            klass for cls in {self.root_class, *self.classes} for klass in cls.__mro__ if klass is not object)]
         self.sizes = list(map(len, self.dicts))
         base = eligibility.base_of(model)
         # the torch names the replayed Python looks up, and torch's module internals every module call runs

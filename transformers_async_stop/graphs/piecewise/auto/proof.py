@@ -64,13 +64,16 @@ def _looked_up(watch) -> list:
     or in torch's namespaces: rebound after the recording (`_grouped_linear`, `F.grouped_mm` set by user code), stock's
     next forward runs the new object and a replay the recorded one (red team hole 2)."""
     from ..code_names import torch_entries
+    from ..eligibility import patched_targets
 
+    patched = patched_targets()  # the package's own patches change with `apply()` / `unpatch()`, not a user's
     entries, names = [], set()
     for code, module in watch.modules.items():
-        table = vars(sys.modules[module]) if module in sys.modules else {}
+        owner = sys.modules.get(module)
+        table = vars(owner) if owner is not None else {}
         for name in code.co_names:
             names.add(name)
-            if name in table:
+            if name in table and (id(owner), name) not in patched:
                 entries.append((table, name, table[name]))
     return entries + torch_entries(names)
 
