@@ -14,12 +14,14 @@ FAMILIES = (
     "starcoder2", "cohere", "stablelm", "smollm3", "mixtral", "qwen2_moe", "opt", "gpt_bigcode", "glm", "ernie4_5",
     "helium", "arcee", "seed_oss", "hunyuan_v1_dense", "mistral", "gemma3_text", "ministral", "exaone4",
 )
-# what keeps a family's decode forward eager, by design (docs/paths.md): Falcon calls SDPA itself, not through
-# transformers' attention functions (a replay would have captured it over a growing cache); OPT's base forward reads
-# the cache's length on the host every step
+# what keeps a family's decode forward eager, by design (docs/paths.md), each reason it may give: Falcon calls SDPA
+# itself, not through transformers' attention functions (a replay would have captured it over a growing cache; on
+# CUDA its capture fails earlier, on a copy from an unpinned CPU tensor); OPT's base forward reads the cache's length
+# on the host every step
 EAGER = {
-    "falcon": "attention does not go through transformers' attention functions",
-    "opt": "reads 'get_seq_length' on the host",
+    "falcon": ("attention does not go through transformers' attention functions",
+               "capture failed (RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture"),
+    "opt": ("reads 'get_seq_length' on the host",),
 }
 _SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)

@@ -52,7 +52,7 @@ class _FamilyCases:
         if padded:
             pass  # a padded batch may stay eager for its mask (`steps.attention_mask`): equal all the same
         elif family in EAGER:
-            self.assertIn(EAGER[family], path.forward)
+            self.assertTrue(any(why in path.forward for why in EAGER[family]), f"{family}: {path.forward}")
         else:
             self.assertTrue(path.forward.startswith("graphed ("), f"{family}: {path.forward}")
 
