@@ -117,7 +117,7 @@ for tag in ${VERSIONS:-t523}; do
   pack
   if has paired; then
     for r in $(seq "${PAIRED_ROUNDS:-3}"); do
-      for root in .old .; do
+      for root in ${PAIRED_ROOTS:-.old .}; do  # PAIRED_ROOTS=". .old": this tree first in each round
         label=$( [ "$root" = . ] && echo HEAD || cat .old/COMMIT )
         [ -d "$root/transformers_async_stop" ] && timeout 120 python3 scripts/paired_speed.py --root "$root" \
           --label "$label" 2>/dev/null | tee -a "$out/paired_$ver.jsonl"
