@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--label", required=True)
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--profile", type=int, default=0,
+                        help="also print the package's top N functions by cumulative time over 3 profiled calls")
     args = parser.parse_args()
     sys.path.insert(0, os.path.abspath(args.root))
     import torch
@@ -58,6 +60,21 @@ def main() -> None:
                       "path": tas.last_path().describe(), "forward": tas.last_path().forward,
                       "ids": hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()[:12],
                       "device": torch.cuda.get_device_name()}), flush=True)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(3):
+            call()
+        profile.disable()
+        stats = pstats.Stats(profile)
+        stats.sort_stats("cumulative")
+        package = os.path.dirname(os.path.abspath(tas.__file__))
+        rows = [(value[3], key) for key, value in stats.stats.items() if key[0].startswith(package)]
+        for cumulative, (path, line, name) in sorted(rows, reverse=True)[: args.profile]:
+            print(f"  {cumulative * 1000 / 3:9.2f} ms/call  {os.path.relpath(path, package)}:{line} {name}")
 
 
 if __name__ == "__main__":
