@@ -214,7 +214,17 @@ class StepsAside(unittest.TestCase):
 
     def test_an_unread_release_steps_aside(self):
         with mock.patch.object(eligibility, "matches", lambda name: False):
-            self.assertEqual(why(build("llama")), "transformers' llama sources are not the ones read")
+            self.assertEqual(why(build("llama")),
+                             "transformers' shared sources (masks, cache updates) are not the ones read")
+
+    def test_a_read_familys_sources_drifted_alone_are_proven_per_recording(self):
+        # a newer release that changed only Llama's own sources: found and proven per recording (auto/proof.py)
+        matches = eligibility.matches
+        with mock.patch.object(eligibility, "matches", lambda name: name != "piecewise forward (llama)" and
+                               matches(name)):
+            model = build("llama")
+            self.assertEqual(why(model), "not CUDA (cpu)")
+            self.assertTrue(eligibility.family_of(model).auto)
 
 
 def _why_with_grad(model):

@@ -71,6 +71,52 @@ class FoundFamiliesEmulated(_FamilyCases, unittest.TestCase):
         self.enterContext(emulated())
 
 
+# transformers' activations (`ACT2FN`) a config may name: each runs its own class, read with no family but Llama's
+# SiLU, GPT-2's new GELU and Gemma 3's GELU-tanh
+ACTIVATIONS = ("gelu", "gelu_10", "gelu_accurate", "gelu_fast", "gelu_new", "gelu_python", "gelu_pytorch_tanh",
+               "laplace", "linear", "mish", "quick_gelu", "relu", "relu2", "relu6", "sigmoid", "silu", "tanh")
+
+
+@unittest.skipUnless(RELEASES, "transformers 5.17-5.24")
+class ActivationsAndDecoders(unittest.TestCase):
+    """A hand-read family running a class no one read with it, and a decoder with cross-attention (emulated)."""
+
+    def setUp(self):
+        self.enterContext(emulated())
+
+    @parameterized.expand([(name,) for name in ACTIVATIONS])
+    def test_a_read_family_with_any_activation_equals_stock_and_is_proven_per_recording(self, activation):
+        from models import build
+
+        model = build("llama", config_kwargs={"hidden_act": activation})
+        ids, mask = prompt(batch=1)
+        for _ in range(2):
+            _check_against_stock(self, model, ids, mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+        forward = tas.last_path().forward
+        act = type(model.model.layers[0].mlp.act_fn)
+        if act.__module__.startswith("transformers.") or act in (torch.nn.ReLU, torch.nn.SiLU, torch.nn.Tanh,
+                                                                 torch.nn.GELU, torch.nn.Identity):
+            self.assertTrue(forward.startswith("graphed ("), f"{activation}: {forward}")
+        else:  # a torch module off the proven list (`proven.TORCH_MODULES`): named
+            self.assertIn(act.__name__, forward)
+
+    def test_whispers_causal_lm_steps_aside_named(self):
+        from transformers import WhisperConfig, WhisperForCausalLM
+
+        config = WhisperConfig(vocab_size=48, d_model=16, decoder_layers=2, decoder_attention_heads=2,
+                               encoder_layers=2, encoder_attention_heads=2, decoder_ffn_dim=32, encoder_ffn_dim=32,
+                               max_target_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                               decoder_start_token_id=1)
+        torch.manual_seed(0)
+        model = WhisperForCausalLM(config).eval()
+        model.config._attn_implementation = "sdpa"
+        ids, mask = prompt(batch=1)
+        _check_against_stock(self, model, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        # found (its decoder layers' self-attention, beside the cross-attention), but it finds its positions itself
+        self.assertEqual(tas.last_path().forward,
+                         "eager: a forward without position_ids (the model finds the positions itself)")
+
+
 def _def(source: str):
     return ast.parse(textwrap.dedent(source)).body[0]
 

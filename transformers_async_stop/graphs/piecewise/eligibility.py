@@ -177,8 +177,11 @@ def why_not_model(model, model_forward) -> str | None:
     if why is not None:
         return why
     if family.auto:
-        # proven per recording, from what it ran (`auto/proof.py`); here every module's class must still be
-        # transformers' own (or one of torch's own on the list), with no instance-level override
+        # proven per recording, from what it ran (`auto/proof.py`); here the shared sources a replay relies on must be
+        # the ones read, and every module's class transformers' own (or one of torch's own on the list), with no
+        # instance-level override
+        if not matches("piecewise shared sources"):
+            return "transformers' shared sources (masks, cache updates) are not the ones read"
         why = proven.why_unread(model, None)
     elif not matches(f"piecewise forward ({name})"):
         return f"transformers' {name} sources are not the ones read"
@@ -264,10 +267,29 @@ def _family(model):
     base = base_of(model)
     family = FAMILIES.get(type(base).__name__) if base is not None else None
     if family is not None:
-        return family, None
+        # a hand-read family whose model runs a class no one read with it (an activation of another family, Llama
+        # with `hidden_act="gelu"`), or whose sources drifted on a newer release, is proven per recording instead
+        return (family if _read_covers(model, family) else dataclasses.replace(family, auto=True)), None
     from .auto.discover import family_for
 
     return family_for(model, Family, _WATCHED_GLOBALS)
+
+
+_COVERED: dict = {}  # (family name, the model's module classes) -> every class is read with the family
+
+
+def _read_covers(model, family: Family) -> bool:
+    name = f"piecewise forward ({family.name})"
+    if not matches(name):
+        return False
+    classes = frozenset(map(type, model.modules()))
+    key = (family.name, classes)
+    covered = _COVERED.get(key)
+    if covered is None:
+        if len(_COVERED) >= 64:  # bounded: user classes are not kept alive for good
+            _COVERED.clear()
+        covered = _COVERED[key] = proven.classes_read(classes, sources_of(name))
+    return covered
 
 
 def watched(model, module, family: Family) -> list:

@@ -305,6 +305,9 @@ class PiecewiseForward:
             # output object
             return None, None, "config.return_dict is off"
         ids, positions = inputs.get("input_ids"), inputs.get("position_ids")
+        if positions is None:
+            # its forward takes no `position_ids` (Whisper's decoder): it finds the positions itself, from the cache
+            return None, None, "a forward without position_ids (the model finds the positions itself)"
         keep = inputs.get("logits_to_keep", 0)
         if not (steps.row(ids, self.device) and steps.row(positions, self.device) and positions.shape == ids.shape
                 and (ids.shape[1] == 1 or self.wide)):

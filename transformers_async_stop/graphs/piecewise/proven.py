@@ -108,6 +108,13 @@ def _why_instance(module, cls) -> str | None:
     return why
 
 
+def classes_read(classes, family_sources) -> bool:
+    """Whether every one of `classes` is proven by the family's read sources (`_why_class`), as `why_unread` proves
+    them; False where any is not (a class no one read with the family, or one that is no module of transformers')."""
+    helpers = _helper_sources()
+    return all(_why_class(cls, family_sources, helpers) is None for cls in classes)
+
+
 def _helper_sources() -> frozenset:
     from ...release_checks.targets import SHORTCUTS
 

@@ -189,6 +189,16 @@ PIECEWISE_SHORTCUTS += (
     ),
 )
 
+# the shared sources alone (the masks a replay's host answers rely on, the cache updates it runs): what a family
+# proven per recording needs as read (`graphs/piecewise/eligibility.why_not_model`), a hand-read family whose own
+# sources drifted on a newer release included
+PIECEWISE_SHORTCUTS += (
+    Shortcut(
+        "piecewise shared sources", tuple(_COMMON), dict(_COMMON), "piecewise", present="5.17-5.24",
+        why="the mask and cache-update code every family's replay relies on, read once for all of them",
+    ),
+)
+
 # transformers' generic code that every family's forward runs, read for the families proven per recording
 # (`graphs/piecewise/auto/proof.py`); the rest of the generic code they run (config attribute reads, the output
 # dataclasses, the deprecation wrappers) passes the mechanical rules (`auto/rules.py`). `capture_outputs`' wrapper

@@ -6,8 +6,8 @@ modeling module whose globals the forward looks up. For a family no one read, `f
 - the model's class is transformers' own `<Prefix>ForCausalLM`, defined in `transformers.models.<x>.modeling_<x>`
   under its name, and its base model (`base_model_prefix`) is a class of the same module;
 - the decoder layers: the one `ModuleList` of the base model as long as `config.num_hidden_layers`;
-- each layer's attention: its one child module whose class name ends in `Attention`, under the same attribute in
-  every layer.
+- each layer's attention: its one child module whose class name ends in `Attention` (of several, the self-attention:
+  `self_attn`, `attn`...), under the same attribute in every layer.
 What it finds is checked again by the recording: each layer's attention must call the cache update and the attention
 function once, in order, with this module (`graphs._Recorder`); anything else is not recordable, named.
 """
@@ -20,6 +20,7 @@ import weakref
 import torch
 
 _FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model class -> (Family | None, why)
+_SELF_ATTENTION = frozenset(("self_attn", "attn", "attention", "self_attention"))
 
 
 def family_for(model, family_type, watched_globals):
@@ -58,6 +59,10 @@ def _find(model, family_type, watched_globals):
         return None, f"model family {cls.__name__} not proven ({len(lists)} lists of {count} decoder layers)"
     layers_name, layers = lists[0]
     names = {name for name, child in layers[0].named_children() if type(child).__name__.endswith("Attention")}
+    if len(names) > 1:
+        # a decoder with cross-attention too (Whisper's `encoder_attn`): the self-attention is the one that calls the
+        # cache update at every step; a cross-attention that runs makes the recording fail, named
+        names &= _SELF_ATTENTION
     if len(names) != 1:
         return None, f"model family {cls.__name__} not proven ({len(names)} attention modules per layer)"
     attention = names.pop()
