@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import tempfile
 import unittest
 import weakref
 from unittest import mock
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessorList
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
@@ -27,6 +26,7 @@ from transformers_async_stop.graphs import piecewise
 from transformers_async_stop.graphs.piecewise import eligibility, forward
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
+from test_redteam_found_families import _AtStep  # on the target: between two assisted rounds
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
 ON = {eligibility.PIECEWISE_ENV: "1"}
@@ -256,26 +256,13 @@ class RedTeamProofOnce(_Base):
         self.assertIsNone(ref())
 
 
-class _OnTheDraft(LogitsProcessor):
-    """On the target: runs `action` at its `at`-th call (between two assisted rounds)."""
-
-    def __init__(self, action, at=2):
-        self.calls, self.action, self.at = 0, action, at
-
-    def __call__(self, input_ids, scores):
-        self.calls += 1
-        if self.calls == self.at:
-            self.action()
-        return scores
-
-
 @unittest.skipUnless(RELEASES, "transformers 5.17-5.24")
 class RedTeamProofOnceDraft(_Base):
     def _assisted(self, target, helper, action=None, undo=lambda: None):
         ids = prompt(batch=1)[0]
         outs = []
         for flag in (None, True):
-            extra = {"logits_processor": LogitsProcessorList([_OnTheDraft(action)])} if action else {}
+            extra = {"logits_processor": LogitsProcessorList([_AtStep(action, at=2)])} if action else {}
             if flag is None:
                 with stock():
                     outs.append(_generate(target, ids, torch.ones_like(ids), None, assistant_model=helper,

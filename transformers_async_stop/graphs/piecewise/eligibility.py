@@ -120,13 +120,9 @@ def base_of(model):
 def why_not_model(model, model_forward) -> str | None:
     """Why this model's decode forward cannot be replayed piecewise (None: it can), from what holds for a whole call.
     The device comes last, so every other reason is also told on the CPU."""
-    off = why_off()
-    if off is not None:
-        return off
-    if compiling():
-        return "inside torch.compile"
-    if model_forward != model.__call__:
-        return "a compiled forward"
+    why = _why_not_call(model, model_forward)
+    if why is not None:
+        return why
     base = base_of(model)
     family, why = _family(model)
     if family is None:
@@ -160,13 +156,9 @@ def why_not_model(model, model_forward) -> str | None:
         for kind in rope.values() if isinstance(rope, dict) else (rope,):  # Gemma 3: one per layer type
             if not isinstance(kind, str) or kind not in STATIC_ROPE:
                 return f"rope type {kind!r} has per-length state"
-    why = _why_not_placed(model)
+    why = _why_not_running(model)
     if why is not None:
         return why
-    if model.training:
-        return "training mode"
-    if torch.is_grad_enabled():
-        return "gradients enabled"
     why = why_not_tensors(model)
     if why is not None:
         return why
@@ -206,20 +198,9 @@ def why_not_again(model, model_forward) -> str | None:
     not compare (a quantizer, a device map, a mesh), a process group, training, gradients, hooks (added to tables the
     snapshot holds), the device. An assistant's draft is a call per round (issue 38: its proof was 1.2-3.4 ms of
     every round)."""
-    off = why_off()
-    if off is not None:
-        return off
-    if compiling():
-        return "inside torch.compile"
-    if model_forward != model.__call__:
-        return "a compiled forward"
-    why = _why_not_placed(model)
+    why = _why_not_call(model, model_forward) or _why_not_running(model)
     if why is not None:
         return why
-    if model.training:
-        return "training mode"
-    if torch.is_grad_enabled():
-        return "gradients enabled"
     # a hook added to a table the snapshot holds is the same table: found here, as the first step would find it
     why = why_observed(model)
     if why is not None:
@@ -230,6 +211,29 @@ def why_not_again(model, model_forward) -> str | None:
     if why is not None:
         return why
     return _why_not_device(model)
+
+
+def _why_not_call(model, model_forward) -> str | None:
+    off = why_off()
+    if off is not None:
+        return off
+    if compiling():
+        return "inside torch.compile"
+    if model_forward != model.__call__:
+        return "a compiled forward"
+    return None
+
+
+def _why_not_running(model) -> str | None:
+    """Where the model runs and how: placement, a process group, training, gradients."""
+    why = _why_not_placed(model)
+    if why is not None:
+        return why
+    if model.training:
+        return "training mode"
+    if torch.is_grad_enabled():
+        return "gradients enabled"
+    return None
 
 
 def _why_not_placed(model) -> str | None:
