@@ -286,3 +286,16 @@ class TheProofOfARecording(unittest.TestCase):
             x = x * 2  # what a query scaled after the cache update would be
         verdict = proof.why_unproven(watch, mock.Mock(causal_lm="OlmoForCausalLM", module="m"), frozenset())
         self.assertIn("ran between a cache update and its attention", verdict.why)
+
+    def test_the_names_two_recordings_ran_are_watched_once(self):
+        from transformers_async_stop.graphs.piecewise.forward import graphs_of
+
+        model = build_family("olmo")
+        for batch in (1, 2):  # two recording keys, each proven and confirmed
+            ids, mask = prompt(batch=batch, device="cpu")
+            for _ in range(2):
+                _check_against_stock(self, model, ids, mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        graphs = graphs_of(model)
+        self.assertEqual(len(graphs.recordings), 2)
+        pairs = [(id(table), name) for table, name, _ in graphs.functions]
+        self.assertEqual(len(pairs), len(set(pairs)))

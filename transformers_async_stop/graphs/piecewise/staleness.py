@@ -171,7 +171,12 @@ class ModelGraphs:
     def watch(self, entries, registries) -> None:
         """Compare these too before every replay, until the next snapshot: the names the code a proven recording ran
         looks up ((namespace dict, name, object), `auto/proof.py`) and the registries it read (by their contents)."""
-        self.functions = self.functions + list(entries)
+        # each kept recording of the model adds what it ran; one entry per (namespace, name): the per-step compare
+        # does not grow with the number of recordings
+        seen = {(id(table), name) for table, name, _ in self.functions}
+        fresh = [entry for entry in entries if (id(entry[0]), entry[1]) not in seen
+                 and not seen.add((id(entry[0]), entry[1]))]
+        self.functions = self.functions + fresh
         kinds: dict = {}
         for entry in self.functions:
             kinds.setdefault(type(entry[0]), []).append(entry)
