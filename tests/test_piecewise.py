@@ -93,6 +93,7 @@ class StepsAside(unittest.TestCase):
     def test_another_attention_implementation_steps_aside(self):
         self.assertIn("attention implementation 'eager'", why(build("llama", attn="eager")))
 
+    @unittest.skipUnless(RELEASES, "the sliding layers' sources are read on 5.17-5.24")
     def test_a_sliding_window_takes_the_path(self):
         # its masks are answered on the host per layer (issue 36, tests/test_piecewise_sliding.py)
         self.assertEqual(why(build("mistral", sliding_window=4)), "not CUDA (cpu)")
@@ -214,9 +215,18 @@ class StepsAside(unittest.TestCase):
 
     def test_an_unread_release_steps_aside(self):
         with mock.patch.object(eligibility, "matches", lambda name: False):
-            self.assertEqual(why(build("llama")),
+            self.assertEqual(why(build("llama")), "transformers' llama sources are not the ones read")
+
+    def test_a_family_found_on_a_release_whose_shared_sources_are_unread_steps_aside(self):
+        from family_models import build_family
+
+        matches = eligibility.matches
+        with mock.patch.object(eligibility, "matches", lambda name: name != "piecewise shared sources" and
+                               matches(name)):
+            self.assertEqual(why(build_family("olmo")),
                              "transformers' shared sources (masks, cache updates) are not the ones read")
 
+    @unittest.skipUnless(RELEASES, "the shared sources are read on 5.17-5.24")
     def test_a_read_familys_sources_drifted_alone_are_proven_per_recording(self):
         # a newer release that changed only Llama's own sources: found and proven per recording (auto/proof.py)
         matches = eligibility.matches

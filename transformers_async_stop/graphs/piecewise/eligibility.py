@@ -272,8 +272,11 @@ def _family(model):
     family = FAMILIES.get(type(base).__name__) if base is not None else None
     if family is not None:
         # a hand-read family whose model runs a class no one read with it (an activation of another family, Llama
-        # with `hidden_act="gelu"`), or whose sources drifted on a newer release, is proven per recording instead
-        return (family if _read_covers(model, family) else dataclasses.replace(family, auto=True)), None
+        # with `hidden_act="gelu"`), or whose sources drifted on a newer release, is proven per recording instead,
+        # where the shared sources are the ones read (elsewhere, an older release, it keeps its own reason)
+        if _read_covers(model, family) or not matches("piecewise shared sources"):
+            return family, None
+        return dataclasses.replace(family, auto=True), None
     from .auto.discover import family_for
 
     return family_for(model, Family, _WATCHED_GLOBALS)
