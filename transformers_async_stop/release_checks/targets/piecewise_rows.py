@@ -162,6 +162,9 @@ _SLIDING_UNDO = {
     "transformers.cache_utils:DynamicSlidingWindowLayer.lazy_initialization": {"ae8618ba56a1": "5.17.0-5.24.0"},
     "transformers.cache_utils:DynamicLayer.update": {"3fe48b1632f1": "5.17.0-5.24.0"},
     "transformers.cache_utils:DynamicLayer.lazy_initialization": {"de1375a15450": "5.17.0-5.23.0", "a828302291d9": "5.24.0"},
+    # the loop's own `_sample` pins the releases: the layers' sources above are the same on 5.15-5.16, where the
+    # dynamic-cache loop does not run (the drift test: a shortcut matches only where it claims)
+    "transformers.generation.utils:GenerationMixin._sample": {"61160ef8c121": "5.17.0-5.23.0", "9e153ccbcefb": "5.24.0"},
 }
 
 
