@@ -57,7 +57,7 @@ def forward_for(model, model_forward, generation_config, verify=False):
     # a model recorded and unchanged since (its snapshot compared, as before every replay) was proven then: only what
     # a call can change is asked again (an assistant's draft is a call per round)
     unchanged = bool(graphs.recordings) and not graphs.changed()
-    why = why_not_again(model, model_forward) if unchanged else why_not_model(model, model_forward)
+    why = why_not_again(model, model_forward, graphs) if unchanged else why_not_model(model, model_forward)
     if why is not None:
         if report is not None:
             tell(report, role, f"eager: {why}")

@@ -189,7 +189,7 @@ def why_not_model(model, model_forward) -> str | None:
     return _why_not_device(model)
 
 
-def why_not_again(model, model_forward) -> str | None:
+def why_not_again(model, model_forward, graphs) -> str | None:
     """`why_not_model` for a model whose recordings' snapshot is unchanged (`ModelGraphs.changed()` is False): it was
     proven when recorded, and everything that proof read of the model (classes, modules, parameters, attributes,
     configs, hooks' tables, rebound names, torch functions) is what the snapshot and the per-step checks compare
@@ -201,13 +201,15 @@ def why_not_again(model, model_forward) -> str | None:
     why = _why_not_call(model, model_forward) or _why_not_running(model)
     if why is not None:
         return why
-    # a hook added to a table the snapshot holds is the same table: found here, as the first step would find it
-    why = why_observed(model)
-    if why is not None:
-        return why
-    # a module's `__dict__` edited to the same size (an attribute deleted, an override set): the snapshot compares
-    # sizes only
-    why = proven.why_instances(model)
+    if graphs.same_instances():
+        # every module's `__dict__` and children table holds the very keys and objects it held as proven: no module,
+        # override, instance-level forward or hook table came or went; a hook added to a table it holds is found here,
+        # as the first step would find it
+        why = why_global_hooks() or (why_observed(model) if any(map(len, graphs.hook_tables)) else None)
+    else:
+        # a module's `__dict__` edited to the same size (an attribute deleted, an override set): the snapshot compares
+        # sizes only, so the proof's tests of each module's `__dict__` are asked again
+        why = why_observed(model) or proven.why_instances(model)
     if why is not None:
         return why
     return _why_not_device(model)
@@ -389,12 +391,19 @@ def why_not_tensors(model) -> str | None:
     return None
 
 
-def why_observed(model) -> str | None:
-    """A hook or an instance-level forward anywhere would see (or change) what a replay skips."""
+def why_global_hooks() -> str | None:
     hooks = torch.nn.modules.module
     if (hooks._global_forward_pre_hooks or hooks._global_forward_hooks or hooks._global_backward_hooks
             or getattr(hooks, "_global_backward_pre_hooks", None)):
         return "a global module hook"
+    return None
+
+
+def why_observed(model) -> str | None:
+    """A hook or an instance-level forward anywhere would see (or change) what a replay skips."""
+    why = why_global_hooks()
+    if why is not None:
+        return why
     for module in model.modules():
         if _has_hooks(module):
             return f"a hook on {type(module).__name__}"

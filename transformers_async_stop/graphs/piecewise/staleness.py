@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import operator
 import sys
 import threading
@@ -30,6 +31,7 @@ _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_bac
 _TENSORS = (torch.Tensor, torch.nn.Parameter)
 _ATOMS = (str, int, float, bool, bytes, type(None))
 _CONTAINERS = (list, tuple, dict, set, frozenset)
+_PLAIN_TABLES = (dict, collections.OrderedDict)
 # the fallback's geometry (`_guard` without torch's tensor guard): shape and dtype in one C-level getter, stride apart
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
@@ -91,6 +93,13 @@ class ModelGraphs:
         self.copies: list = []
         # the last call's per-step watch lists (`PiecewiseForward._watch`), for the next call of an unchanged model
         self.watched = None
+        # every module's `__dict__` and its children, parameter and buffer tables, whole: their sizes, keys and values
+        # as proven (`same_instances`, once per call of an unchanged model), and the hook tables among those values
+        self.instances: list = []
+        self.instance_sizes: list = []
+        self.instance_keys: list = []
+        self.instance_values: list = []
+        self.hook_tables: list = []
 
     def clear(self) -> None:
         # `seen` stays: it counts the widths a caller asks for, which a stale model does not change
@@ -167,6 +176,38 @@ class ModelGraphs:
         self.shapes = list(map(_SHAPE_DTYPE, tensors))
         self.strides = list(map(torch.Tensor.stride, tensors))
         self.guards = _guard(tensors, self.shapes, self.strides)
+        instances = [table for module in every for table in (
+            module.__dict__, module._modules, module._parameters, module._buffers)]
+        # torch's own tables only (a user's mapping put in place of one iterates with its own code): any other keeps
+        # the proof's walk at every call
+        self.instances = instances if all(type(table) in _PLAIN_TABLES for table in instances) else []
+        self.hook_tables = [table for module in every for name in _HOOK_TABLES
+                            if (table := module.__dict__.get(name)) is not None]
+        self.retake_instances()
+
+    def retake_instances(self) -> None:
+        """The module tables as they are now (at the snapshot, and after each recording: what transformers' own
+        forward set on its modules while recorded, as `sizes`)."""
+        tables = self.instances
+        self.instance_sizes = list(map(len, tables))
+        self.instance_keys = list(_chain(tables))
+        self.instance_values = list(_chain(map(dict.values, tables)))
+
+    def same_instances(self) -> bool:
+        """Every module's `__dict__`, and its children, parameter and buffer tables, hold the very keys and values
+        they held as proven (`retake_instances`): identity only, no `==` (a value's `__eq__` is user code, or a
+        tensor's elementwise compare). With the same keys in the same order and the same objects, each table is the
+        one proven, so the module tree, its attributes, overrides and hook tables are too (`eligibility.why_not_again`
+        asks this once per call instead of walking every module's `__dict__` with the proof's tests). A few hundred
+        microseconds for a 1B model: once per call, not per step."""
+        tables = self.instances
+        if not tables or list(map(len, tables)) != self.instance_sizes:
+            return False
+        try:
+            return not (any(map(operator.is_not, _chain(tables), self.instance_keys))
+                        or any(map(operator.is_not, _chain(map(dict.values, tables)), self.instance_values)))
+        except RuntimeError:  # a table resized while compared (another thread): not the one proven
+            return False
 
     def watch(self, entries, registries) -> None:
         """Compare these too before every replay, until the next snapshot: the names the code a proven recording ran
@@ -214,6 +255,9 @@ class ModelGraphs:
             except Exception:  # noqa: BLE001 (a private API: whatever it cannot check, the maps below compare)
                 self.guards = None
         return list(map(_SHAPE_DTYPE, tensors)) != self.shapes or list(map(torch.Tensor.stride, tensors)) != self.strides
+
+
+_chain = itertools.chain.from_iterable
 
 
 def _guard(tensors, shapes, strides):
