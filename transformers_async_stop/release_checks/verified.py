@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import itertools
 import logging
+import operator
 import sys
+import types
 import textwrap
 import threading
 
@@ -24,7 +27,10 @@ logger = logging.getLogger("transformers_async_stop")
 _BY_NAME = {shortcut.name: shortcut for shortcut in SHORTCUTS}
 _RESULTS: dict[str, bool] = {}
 _DIGESTED: dict[str, tuple] = {}  # per shortcut: the objects its verdict in `_RESULTS` was taken on
+_LINKS: dict[str, tuple] = {}  # per shortcut: the lookups that resolved those objects (`_links`)
 _LOCK = threading.Lock()
+_MISSING = object()
+_METHOD = types.MethodType
 _OWN_MARK = "_transformers_async_stop_patched"  # `config.MARKER`
 
 
@@ -76,9 +82,10 @@ def matches(name: str) -> bool:
     """Whether every upstream source behind the shortcut `name` is one it was checked against (as installed now)."""
     result = _RESULTS.get(name)
     objects = _DIGESTED.get(name)
-    if result is not None and objects is not None and any(
-            a is not b for a, b in zip(_objects(name), objects)):
-        result = None  # a source was rebound since its verdict: take it again
+    if result is not None and objects is not None:
+        links = _LINKS.get(name)
+        if not (_same_links(links) if links is not None else all(map(operator.is_, _objects(name), objects))):
+            result = None  # a source was rebound since its verdict: take it again
     if result is None:
         with _LOCK:
             shortcut = _BY_NAME[name]
@@ -91,7 +98,48 @@ def matches(name: str) -> bool:
                             ", ".join(s for s, d in found.items() if d not in shortcut.digests.get(s, {})))
             _RESULTS[name] = result
             _DIGESTED[name] = objects
+            _LINKS[name] = _links(name)
     return result
+
+
+def _links(name: str):
+    """Every lookup that resolves the shortcut's sources ("module:A.b" is `sys.modules["module"]`, then `.A`, then
+    `.b`), with the object each gave: (modules' names, the modules, holders, attribute names, the objects, and the
+    last lookups whose object is a bound method: (holder, name, its function)). Comparing these by identity is
+    resolving every source again (`_objects`), without parsing its name: `matches` runs at every step of some loops.
+    None where a source does not resolve (`_objects` then compares, as before)."""
+    names, modules, holders, attrs, objects, methods = [], [], [], [], [], []
+    for source in _BY_NAME[name].sources:
+        module_name, _, qualname = source.partition(":")
+        module = sys.modules.get(module_name)
+        if module is None:
+            return None
+        names.append(module_name)
+        modules.append(module)
+        obj, parts = module, qualname.split(".")
+        for index, part in enumerate(parts):
+            holder, obj = obj, getattr(obj, part, _MISSING)
+            if obj is _MISSING:
+                return None
+            if index == len(parts) - 1 and getattr(obj, "__func__", None) is not None and type(obj) is _METHOD:
+                methods.append((holder, part, obj.__func__))  # a bound classmethod: a new object at each lookup
+            else:
+                holders.append(holder)
+                attrs.append(part)
+                objects.append(obj)
+    return names, modules, holders, attrs, objects, methods
+
+
+def _same_links(links) -> bool:
+    """Every lookup of `_links` gives the very object it gave."""
+    names, modules, holders, attrs, objects, methods = links
+    get = sys.modules.get
+    if any(map(operator.is_not, map(get, names), modules)):
+        return False
+    if any(map(operator.is_not, map(getattr, holders, attrs, itertools.repeat(None)), objects)):
+        return False
+    return all(getattr(getattr(holder, attr, None), "__func__", None) is function
+               for holder, attr, function in methods)
 
 
 def resolve_source(source: str):
