@@ -56,6 +56,9 @@ class CallPath:
     # an assisted call's verify forward (the target's K tokens, rounds after the first): "graphed (N pieces): R
     # rounds..." or "eager: <why>"; None elsewhere (`piecewise.forward_for(..., verify=True)`)
     verify: str | None = dataclasses.field(default=None, compare=False)
+    # an assisted call's acceptance of each round: "graphed: R rounds..." (one CUDA graph per width) or "eager: <why>"
+    # (`loops/assisted/acceptance_graph.py`); None elsewhere
+    acceptance: str | None = dataclasses.field(default=None, compare=False)
     notice: str | None = None  # this transformers release was not checked: the fast paths off (`release_notice`)
 
     def describe(self) -> str:

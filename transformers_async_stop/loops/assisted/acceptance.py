@@ -109,7 +109,9 @@ def accepted_length(n_matches, tokens, is_done, budget, eos_cut):
         candidate_length = tokens.shape[1] - 1
         n_matches = n_matches - (is_done.reshape(()) & (n_matches == candidate_length)).long()
     length = n_matches + 1
-    if budget is not None:
+    if isinstance(budget, torch.Tensor):  # the graphed acceptance's device scalar: the same integer minimum
+        length = torch.minimum(length, budget)
+    elif budget is not None:
         length = length.clamp(max=budget)
     if eos_cut is not None:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -126,6 +128,11 @@ def last_is_eos(input_ids, tokens, length, eos_ids):
     nothing in a round without candidates that starts on an EOS). A call from `inputs_embeds` alone starts with no
     token at all: there the previous last is a -1, no EOS id (fuzzer seed 15: the gather ran past the end)."""
     previous = input_ids[0, -1:] if input_ids.shape[1] else tokens.new_full((1,), -1)
+    return last_eos_after(previous, tokens, length, eos_ids)
+
+
+def last_eos_after(previous, tokens, length, eos_ids):
+    """`last_is_eos` given the sequence's last token before the round (a 1-element tensor)."""
     last = torch.cat((previous, tokens[0])).gather(0, length.view(1))
     hit = None
     for ids in eos_ids:
@@ -152,7 +159,10 @@ class RoundBox:
         parts = [torch.stack([h.long() for h in header]), tokens]
         if extra is not None:
             parts.append(extra)
-        packed = torch.cat(parts)
+        self.send_packed(torch.cat(parts))
+
+    def send_packed(self, packed) -> None:
+        """Queue the copy of a verdict already packed on the device (`acceptance_graph`: header, then tokens)."""
         size = packed.numel()
         if self._host is None or self._host.numel() < size:
             self._host = torch.empty(max(size, 64), dtype=torch.long, device="cpu", pin_memory=self.cuda)

@@ -29,8 +29,10 @@ from ...release_checks import cache_kwarg
 from ...control.controller import RngGuard
 from ...sync_free.masking import _tag, _tag_of
 from ...release_checks.verified import matches
+from ... import path_report
 from . import acceptance
 from .acceptance import HEADER, RoundBox
+from .acceptance_graph import GraphedAcceptance
 from .draft import DraftRun, outer_mask_summary
 from .lookup import HostLookup, Mirror
 from .room import Room
@@ -183,6 +185,7 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
     eos_cut = getattr(generation_config, "_eos_token_tensor", None) if port.eos_cut else None
     ensemble_weight = generation_config.assistant_ensemble_weight if port.ensemble else None
     box = RoundBox(device)
+    graphed = GraphedAcceptance(device, eos_cut, folded.eos_ids, port.budget, path_report._current())
     rng = RngGuard(device)
     mirror = Mirror(input_ids, foreign=_foreign(logits_processor))  # the one read of the prompt per call
     # a static cache (5.24+) is never written past its end: each round's reach is checked before its forward
@@ -264,10 +267,19 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
                 for i in range(candidate_length + 1):
                     new_logits[:, i, :] = logits_processor(candidate_input_ids[:, : cur_len + i], new_logits[:, i, :])
 
-            # 3. acceptance, on the device
+            # 3. acceptance, on the device: a greedy round's replayed from the graph of its width
             candidate_new_tokens = candidate_input_ids[:, cur_len:]
             skipped = None
-            if do_sample and candidate_logits is not None:
+            probs = draft.take_probs() if draft is not None else None
+            budget = generation_config.max_length - cur_len if port.budget else None
+            why = graphed.why_not(do_sample, candidate_logits, ensemble_weight, is_done_candidate, probs, input_ids)
+            replayed = None if why is not None else graphed.run(new_logits, candidate_new_tokens, input_ids, budget)
+            if why is not None:
+                graphed.note_eager(why)
+            if replayed is not None:
+                tokens, packed = replayed
+                box.send_packed(packed)
+            elif do_sample and candidate_logits is not None:
                 tokens, n_matches, skipped = acceptance.speculative(
                     candidate_new_tokens, candidate_logits, candidate_length, new_logits, ensemble_weight,
                     is_done_candidate, rng)
@@ -276,14 +288,13 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
                 tokens, n_matches = acceptance.select(new_logits, candidate_new_tokens, candidate_logits,
                                                       candidate_length, do_sample, ensemble_weight)
                 is_done = is_done_candidate
-            budget = generation_config.max_length - cur_len if port.budget else None
-            length = acceptance.accepted_length(n_matches, tokens, is_done, budget, eos_cut)
-            eos_stop = acceptance.last_is_eos(input_ids, tokens, length, folded.eos_ids) if folded.eos_ids else None
-            probs = draft.take_probs() if draft is not None else None
-            if zero is None:
-                zero = length.new_zeros(())  # copied into the round's box, never written: one per call
-            box.send([length, zero if eos_stop is None else eos_stop, zero if skipped is None else skipped],
-                     tokens[0], None if probs is None else acceptance.probabilities_as_int64(probs))
+            if replayed is None:
+                length = acceptance.accepted_length(n_matches, tokens, is_done, budget, eos_cut)
+                eos_stop = acceptance.last_is_eos(input_ids, tokens, length, folded.eos_ids) if folded.eos_ids else None
+                if zero is None:
+                    zero = length.new_zeros(())  # copied into the round's box, never written: one per call
+                box.send([length, zero if eos_stop is None else eos_stop, zero if skipped is None else skipped],
+                         tokens[0], None if probs is None else acceptance.probabilities_as_int64(probs))
 
             # 4. the round's one read; stock's host code from here on, with ints
             values = box.receive()
@@ -331,6 +342,7 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
             stop = folded.on_host(input_ids, scores) or eos_stop
             is_first_iteration = False
     finally:
+        graphed.close()
         if draft is not None:
             draft.uninstall()
 
