@@ -12,7 +12,8 @@ scenario (threads included) instead of the drawn value: `emulated` runs the flag
 graphs; `--drawn-for cuda` draws the seeds as a CUDA run does (to replay a CUDA run's seeds on the CPU). The counts
 end with how many flag runs took the graphed forward in at least one call (`graphed`), and for issue 32 how many
 scenarios draw assisted decoding or prompt lookup (`assisted`) and in how many flag runs its verify forward replayed
-from the graphs in some call (`graphed_verify`) and in the last call (`graphed_verify_last`). `--require assisted`
+from the graphs in some call (`graphed_verify`) and in the last call (`graphed_verify_last`), and for issue 38 in how
+many a greedy round's acceptance replayed from its graph (`graphed_acceptance`). `--require assisted`
 runs only seeds drawing that key (--draws of them, from --seed on):
 
     python scripts/usage_fuzz.py --require assisted --draws 300 --workers 2
@@ -119,6 +120,7 @@ def main():
             os._exit(3)  # (test-only: a worker dying inside a scenario)
         usage_runner.LAST_FORWARD.clear()
         usage_runner.LAST_VERIFY.clear()
+        usage_runner.LAST_ACCEPTANCE.clear()
         status, detail = (("crashed", "RuntimeError outside generate(): CUDA error: device-side assert triggered "
                            "(simulated by TAS_USAGE_FUZZ_FAKE)") if mode == "assert"
                           else ("pass", "") if mode == "pass" else outcome(sc))
@@ -131,6 +133,9 @@ def main():
         counts["assisted"] += "assisted" in sc
         counts["graphed_verify"] += graphed_verify[0]
         counts["graphed_verify_last"] += graphed_verify[1]
+        # issue 38: the flag runs where a greedy round's acceptance replayed from its graph in some call
+        graphed_acceptance = any((path or "").startswith("graphed") for path in usage_runner.LAST_ACCEPTANCE)
+        counts["graphed_acceptance"] += graphed_acceptance
         if counts["drawn"] % 25 == 0:
             print(f"  {counts['drawn']} drawn, {time.time() - start:.0f}s: {dict(counts)}", flush=True)
         counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(status, status)] += 1
@@ -156,6 +161,7 @@ def main():
             print(f"  shrunk: {dumps(small)}\n  re-run: {again[0] if again else '-'}: "
                   f"{(again[1] if again else '')[:600]}", flush=True)
         report(seed=seed, status=status, graphed=graphed, graphed_verify=graphed_verify, assisted="assisted" in sc,
+               graphed_acceptance=graphed_acceptance,
                failure=failures[-1] if status in ("fail", "crashed") else None,
                skip=detail if status == "stock_err" else None)
         if status in ("fail", "crashed") and len(failures) >= args.max_failures:
@@ -167,7 +173,8 @@ def main():
     elapsed = time.time() - start
     print(f"transformers {version} device {args.device}: " +
           " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed",
-                                                "assisted", "graphed_verify", "graphed_verify_last")) +
+                                                "assisted", "graphed_verify", "graphed_verify_last",
+                                                "graphed_acceptance")) +
           f" in {elapsed:.0f}s ({time.process_time() - cpu0:.0f}s of CPU)")
     for reason, n in skips.most_common(8):
         print(f"  skipped {n}: stock raised {reason}")
@@ -310,6 +317,7 @@ def _fan_out(args) -> int:
         counts["assisted"] += bool(rec.get("assisted"))
         counts["graphed_verify"] += bool((rec.get("graphed_verify") or (False, False))[0])
         counts["graphed_verify_last"] += bool((rec.get("graphed_verify") or (False, False))[1])
+        counts["graphed_acceptance"] += bool(rec.get("graphed_acceptance"))
         counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(rec["status"],
                                                                                         rec["status"])] += 1
         if rec.get("skip"):
@@ -318,7 +326,8 @@ def _fan_out(args) -> int:
     failures = [records[s]["failure"] for s in seeds if s in records and records[s].get("failure")]
     print(f"TOTAL transformers {version} device {args.device} workers {args.workers}: " +
           " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed",
-                                                "assisted", "graphed_verify", "graphed_verify_last", "not_run")) +
+                                                "assisted", "graphed_verify", "graphed_verify_last",
+                                                "graphed_acceptance", "not_run")) +
           f" accounted={counts['drawn'] + counts['not_run']}/{len(seeds)} respawned={spawned - len(seeds[:args.workers])}"
           f" in {time.time() - start:.0f}s")
     for reason, n in skips.most_common(8):

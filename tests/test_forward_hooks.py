@@ -41,13 +41,16 @@ class Log:
 class HookAt(StoppingCriteria):
     """A criterion that registers a forward hook on the model at step `at` and never stops the call."""
 
-    def __init__(self, model, log, at):
-        self.model, self.log, self.at, self.step = model, log, at, 0
+    def __init__(self, model, log, at, handle=True):
+        self.model, self.log, self.at, self.step, self.handle = model, log, at, 0, handle
 
     def __call__(self, input_ids, scores, **kwargs):
         self.step += 1
-        if self.step == self.at:
+        if self.step == self.at and self.handle:
             self.model.model.layers[0].register_forward_hook(self.log.forward_hook)
+        elif self.step == self.at:
+            # straight into the module's table, without a handle (torch's handle counter does not move)
+            self.model.model.layers[0]._forward_hooks[10**6] = self.log.forward_hook
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -86,6 +89,8 @@ def run(flag, where, cache, do_sample=False, streamer_at=None):
             lambda m, a, o: log.calls.append(type(m).__name__) if m is model else None))
     elif where == "mid-call":
         extra["stopping_criteria"] = StoppingCriteriaList([HookAt(model, log, at=2)])
+    elif where == "mid-call, no handle":
+        extra["stopping_criteria"] = StoppingCriteriaList([HookAt(model, log, at=2, handle=False)])
     if streamer_at is not None:
         extra["streamer"] = RaisingStreamer(streamer_at)
         ids = PROMPT[:1]
@@ -117,7 +122,7 @@ class ForwardHooksSeeStocksForwards(unittest.TestCase):
         self.assertEqual(plain[2], fast[2], "the RNG state after the call")
         return fast[3]
 
-    @parameterized.expand([(w, c, s) for w in ("model", "layer pre-hook", "global", "mid-call")
+    @parameterized.expand([(w, c, s) for w in ("model", "layer pre-hook", "global", "mid-call", "mid-call, no handle")
                            for c in (None, "static") for s in (False, True)])
     def test_a_call_that_stops_on_eos(self, where, cache, do_sample):
         path = self.compare(where, cache, do_sample)

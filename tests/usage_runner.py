@@ -43,6 +43,7 @@ VOCAB = 48
 ROOMY = 100
 LAST_FORWARD: list = []  # the last `check`'s flag run: each call's `last_path().forward` (the fuzzer's counts)
 LAST_VERIFY: list = []  # and each call's `last_path().verify` (assisted decoding's verify forward, issue 32)
+LAST_ACCEPTANCE: list = []  # and each call's `last_path().acceptance` (a greedy round's acceptance graph, issue 38)
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,6 +67,7 @@ class Result:
         self.where = {}  # turn -> where its exception was raised (the last frames; not compared, printed on a failure)
         self.forward = []  # per turn: `last_path().forward` of the flag run's call (not compared: stock has none)
         self.verify = []  # per turn: `last_path().verify` of the flag run's call (the same)
+        self.acceptance = []  # per turn: `last_path().acceptance` of the flag run's call (the same)
 
 
 def _tokens(seed, shape, device, sc=None):
@@ -327,6 +329,7 @@ def _turns(sc, flag, device, rooms, rng_draws, measure, model, judge, user, help
             usage_mutators.restore_classes()
         result.forward.append(getattr(path, "forward", None) if flag else None)
         result.verify.append(getattr(path, "verify", None) if flag else None)
+        result.acceptance.append(getattr(path, "acceptance", None) if flag else None)
         if err is not None:
             exc, err = err, (type(err).__name__, str(err))
             result.where[t] = "".join(traceback.format_exception(exc)[-4:])
@@ -450,6 +453,7 @@ def check(sc, device="cpu"):
     on = run_scenario(sc, True, device, rooms)
     LAST_FORWARD[:] = on.forward
     LAST_VERIFY[:] = on.verify
+    LAST_ACCEPTANCE[:] = on.acceptance
     d = diff(ref.trace, on.trace, "turns")
     if d:
         return "fail", d + _raised(on)

@@ -143,13 +143,14 @@ class HookWatch:
     call or mid-call): user code that runs at every forward as a hook does, unseen by torch's hook registry; per
     step one attribute read, the wrapper's code looked at only when the class's `forward` is another object."""
 
-    __slots__ = ("model", "seen", "forward", "why", "modules", "classes", "children")
+    __slots__ = ("model", "seen", "forward", "why", "modules", "classes", "children", "tables")
 
     def __init__(self, model):
         self.model = model
         self.seen = self.forward = None
         self.why = None  # what was noticed, for `last_path()`
         self.modules = self.classes = self.children = None
+        self.tables = ()  # the modules' forward hook tables as last listed (`quiet`)
 
     def hooked(self) -> bool:
         if self._moved():  # the first look, or a module swapped or replaced since
@@ -165,7 +166,9 @@ class HookWatch:
                             "before the next forward, which the wrapper would see")
                 return True
         now = RemovableHandle.next_id
-        if now == self.seen:
+        # no handle made since the last look: the tables it listed are still looked at (a hook put in one without a
+        # handle, by a processor between two steps), from C where they are all empty
+        if now == self.seen and not self._tables_hooked():
             return False
         self.seen = now
         if hooked(self.model):
@@ -174,6 +177,16 @@ class HookWatch:
             return True
         return False
 
+
+    def quiet(self) -> bool:
+        """It has looked, noticed nothing, and the hook tables it listed hold no user hook: it may go on watching in
+        a later call of the same model, as from one step to the next (an assistant's draft, a call per round)."""
+        return self.modules is not None and self.why is None and not self._tables_hooked()
+
+    def _tables_hooked(self) -> bool:
+        """A user's forward hook in one of the tables last listed (transformers' own and passive ones left out, as
+        `hooked` leaves them)."""
+        return any(map(len, self.tables)) and any(_users(table) for table in self.tables if table)
 
     def _moved(self) -> bool:
         """A module's class swapped, or a submodule replaced, since the last look (per step: two C-level passes over
@@ -187,6 +200,7 @@ class HookWatch:
                 return False
         self.modules = list(self.model.modules())
         self.classes = list(map(type, self.modules))
+        self.tables = [table for m in self.modules for table in (m._forward_hooks, m._forward_pre_hooks)]
         entries = [(m._modules, name, child) for m in self.modules for name, child in m._modules.items()]
         tables, names, values = (list(column) for column in zip(*entries)) if entries else ([], [], [])
         self.children = (tables, names, values)

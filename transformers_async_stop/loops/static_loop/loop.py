@@ -60,7 +60,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
     tail.held = (input_ids, length)  # the first step's processors get generate()'s own ids
     step_inputs = None  # the first decode step makes them; None afterwards: stock rebuilds the inputs every step
     behind = 0  # `_update_model_kwargs_for_generation` calls skipped while the inputs are advanced in place
-    seen = _fingerprint(model)
+    seen = _fingerprint(model, ctl)
     left = None  # why the call left its plan of in-place inputs mid-call
     try:
         with model._optimize_model_for_decode():
@@ -97,7 +97,7 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
                         tail.fold(is_done)  # stock: `unfinished & ~is_done`
                 if ctl.record(tail.verdict(), tail.tokens, length):
                     break
-                now = _fingerprint(model)
+                now = _fingerprint(model, ctl)
                 if now != seen:
                     # user code registered a hook or changed the attention implementation: stock's own per-step
                     # inputs and mask from now on, with the kwargs updates the in-place inputs skipped
@@ -147,12 +147,13 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
     return sequences
 
 
-def _fingerprint(model) -> tuple:
+def _fingerprint(model, ctl) -> tuple:
     """What stock reads at every step and the in-place inputs fix for the call, as cheap host values: the count of
-    hooks ever registered (any module, any kind: a new forward hook must get stock's fresh inputs) and the
-    attention implementation (the mask plan is made for one)."""
+    hooks ever registered (any module, any kind: a new forward hook must get stock's fresh inputs), what the
+    controller's hook watch noticed (a hook put in a module's table without a handle, which the count misses) and
+    the attention implementation (the mask plan is made for one)."""
     config = model.config
-    return (RemovableHandle.next_id, getattr(config, "_attn_implementation", None),
+    return (RemovableHandle.next_id, getattr(ctl.hooks, "why", None), getattr(config, "_attn_implementation", None),
             getattr(config.get_text_config(), "_attn_implementation", None))
 
 
