@@ -32,6 +32,11 @@
 #   paired    the flag's ms/token on Llama-1B-shaped bf16 b1 DynamicCache, this tree against the earlier copy in
 #             .old/ (scripts/paired_speed.py), alternating processes, PAIRED_ROUNDS rounds (default 3)
 #   lora      the bench's llama-1b-lora case, stock vs flag (which forward a peft LoRA model gets, and its speed)
+#   issue38   issue 38's CUDA tests (the graphed acceptance, the draft's hook watch across rounds, the verify forward,
+#             the assisted tests), the usage fuzzer's assisted dimension (USAGE_DRAWS, default 300), and where a
+#             Llama-1B token's GPU time goes, DynamicCache against static (scripts/kernel_split.py)
+#   issue38bench  the assisted bench with stock, flag, upstream and floor (BENCH_REPS, default 5), and the
+#             package's host time per assisted round by stage on CUDA (scripts/round_host_cost.py --device cuda)
 #   all       tests,overhead,bench
 # Stage limits (seconds): T_CUDA, T_NEW, T_ASSISTED (the three pytest runs of `tests`), USAGE_TIMEOUT (per seed).
 # Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, PROFILE_VARIANTS,
@@ -123,6 +128,32 @@ for tag in ${VERSIONS:-t523}; do
           --label "$label" 2>/dev/null | tee -a "$out/paired_$ver.jsonl"
       done
     done
+  fi
+  pack
+  if has issue38; then
+    # issue 38's cuts on CUDA: the graphed acceptance, the draft's hook watch across rounds, the verify forward, the
+    # assisted CUDA tests; the usage fuzzer's assisted dimension; the DynamicCache / static kernel split
+    timeout "${T_ISSUE38:-200}" python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_acceptance_graph.py \
+      tests/test_piecewise_verify.py tests/test_assisted.py tests/test_unchanged_model_not_walked.py \
+      tests/test_draft_hook_watch_across_rounds.py tests/test_forward_hooks.py -k "Cuda or cuda" \
+      > "$out/issue38_tests_$ver.txt" 2>&1
+    grep -E "passed|failed|^FAILED|Error" "$out/issue38_tests_$ver.txt" | tail -15
+    timeout "${USAGE_TIMEOUT:-200}" python3 scripts/usage_fuzz.py --device cuda --require assisted \
+      --draws "${USAGE_DRAWS:-300}" --workers "${USAGE_WORKERS:-8}" --shrink 0 > "$out/issue38_fuzz_$ver.txt" 2>&1
+    grep -E "^TOTAL|^FAIL" "$out/issue38_fuzz_$ver.txt" | tail -10
+    timeout 150 python3 scripts/kernel_split.py --reps 5 > "$out/kernel_split_$ver.txt" 2>&1
+    grep -vE "^\{|Warning|warn" "$out/kernel_split_$ver.txt" | tail -14
+  fi
+  pack
+  if has issue38bench; then
+    # the issue's targets side by side (wall / floor, flag / stock, upstream's DeferredStopCheck), and the
+    # package's host time per round by stage
+    timeout 300 python3 -m transformers_async_stop.bench --cases llama-1b-draft,llama-1b-copy,llama-1b-lookup \
+      --variants stock,async,upstream,floor --reps "${BENCH_REPS:-5}" > "$out/bench_assisted_$ver.txt" 2>&1
+    tail -22 "$out/bench_assisted_$ver.txt"
+    timeout 240 python3 scripts/round_host_cost.py --device cuda --full --runs 3 --new-tokens 128 \
+      > "$out/round_host_cost_$ver.txt" 2>&1
+    grep -E "^==|total wall|package-only" "$out/round_host_cost_$ver.txt"
   fi
   pack
   if has lora; then

@@ -63,7 +63,7 @@ def main() -> None:
     }
     results, outputs = {}, {}
     for label, (patched, extra) in runs.items():
-        (tas.patch if patched else tas.unpatch)()
+        (tas.apply if patched else tas.unpatch)()
 
         def call():
             torch.cuda.synchronize()
@@ -89,7 +89,7 @@ def main() -> None:
                           "kernels_per_token": sum(count for _, count in per.values()), "groups": per,
                           "path": tas.last_path().describe() if patched else "stock",
                           "forward": getattr(tas.last_path(), "forward", None) if patched else None}
-    tas.patch()
+    tas.apply()
     same = torch.equal(outputs["stock, DynamicCache"], outputs["flag, DynamicCache"])
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
           f"{__import__('transformers').__version__}; Llama-1B-shaped bf16 b1, {args.new_tokens} new tokens, "

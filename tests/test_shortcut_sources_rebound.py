@@ -60,3 +60,63 @@ class ShortcutSourcesRebound(unittest.TestCase):
         self.assertTrue(all(verified.matches(name) for name in matched))
         # classmethod sources resolve to a new bound method at each lookup: compared by their function
         self.assertTrue(all(verified._LINKS.get(name) is not None for name in matched))
+
+
+class ShortcutFunctionBodies(unittest.TestCase):
+    """A source function's code, defaults or closure replaced in place (the same function object) takes the verdict
+    again (red team of the issue-38 cuts, hole 2)."""
+
+    def _function(self, predicate=lambda function: True):
+        import types
+        from unittest import mock
+
+        for shortcut in SHORTCUTS:
+            if not verified.matches(shortcut.name):
+                continue
+            for source in shortcut.sources:
+                obj = verified.resolve_source(source)[0]
+                function = getattr(obj, "__func__", obj)
+                if type(function) is types.FunctionType and predicate(function):
+                    return shortcut.name, function, mock
+        raise unittest.SkipTest("no shortcut function of that shape")
+
+    def _retaken(self, name, mock):
+        with mock.patch.object(verified, "installed_digests", wraps=verified.installed_digests) as digests:
+            verified.matches(name)
+        return digests.call_count
+
+    def test_code_replaced_in_place_takes_the_verdict_again(self):
+        name, function, mock = self._function()
+        code = function.__code__
+        self.addCleanup(setattr, function, "__code__", code)
+        self.assertEqual(self._retaken(name, mock), 0)
+        function.__code__ = code.replace()  # an equal copy: another object
+        self.assertEqual(self._retaken(name, mock), 1)
+        function.__code__ = code
+        self.assertEqual(self._retaken(name, mock), 1)
+        self.assertEqual(self._retaken(name, mock), 0)
+
+    def test_defaults_replaced_in_place_take_the_verdict_again(self):
+        name, function, mock = self._function(lambda function: function.__defaults__)
+        defaults = function.__defaults__
+        self.addCleanup(setattr, function, "__defaults__", defaults)
+        function.__defaults__ = tuple(defaults)[:-1] + (object(),)
+        self.assertEqual(self._retaken(name, mock), 1)
+
+    def test_a_closure_cell_rebound_takes_the_verdict_again(self):
+        name, function, mock = self._function(
+            lambda function: function.__closure__ and any(self._full(cell) for cell in function.__closure__))
+        cell = next(cell for cell in function.__closure__ if self._full(cell))
+        contents = cell.cell_contents
+        self.addCleanup(setattr, cell, "cell_contents", contents)
+        self.assertEqual(self._retaken(name, mock), 0)
+        cell.cell_contents = object()
+        self.assertEqual(self._retaken(name, mock), 1)
+
+    @staticmethod
+    def _full(cell) -> bool:
+        try:
+            cell.cell_contents
+        except ValueError:
+            return False
+        return True

@@ -31,6 +31,9 @@ _LINKS: dict[str, tuple] = {}  # per shortcut: the lookups that resolved those o
 _LOCK = threading.Lock()
 _MISSING = object()
 _METHOD = types.MethodType
+_BODY = operator.attrgetter("__code__", "__defaults__", "__kwdefaults__", "__closure__")
+_CONTENTS = operator.attrgetter("cell_contents")
+_chain = itertools.chain.from_iterable
 _OWN_MARK = "_transformers_async_stop_patched"  # `config.MARKER`
 
 
@@ -108,7 +111,7 @@ def _links(name: str):
     last lookups whose object is a bound method: (holder, name, its function)). Comparing these by identity is
     resolving every source again (`_objects`), without parsing its name: `matches` runs at every step of some loops.
     None where a source does not resolve (`_objects` then compares, as before)."""
-    names, modules, holders, attrs, objects, methods = [], [], [], [], [], []
+    names, modules, holders, attrs, objects, methods, functions = [], [], [], [], [], [], []
     for source in _BY_NAME[name].sources:
         module_name, _, qualname = source.partition(":")
         module = sys.modules.get(module_name)
@@ -127,19 +130,47 @@ def _links(name: str):
                 holders.append(holder)
                 attrs.append(part)
                 objects.append(obj)
-    return names, modules, holders, attrs, objects, methods
+            if index == len(parts) - 1:
+                function = getattr(obj, "__func__", obj)
+                if type(function) is types.FunctionType:
+                    functions.append(function)
+    # what each function found runs, beyond its identity: its code, defaults and closure cells' contents, each
+    # replaceable in place (`f.__code__ = g.__code__`: the same object, other code; red team of the issue-38 cuts,
+    # hole 2), as flat lists compared from C
+    cells = [cell for function in functions for cell in function.__closure__ or ()]
+    full = [cell for cell in cells if _cell(cell) is not _MISSING]
+    bodies = (functions, list(map(_BODY, functions)), full, list(map(_CONTENTS, full)),
+              [cell for cell in cells if _cell(cell) is _MISSING])
+    return names, modules, holders, attrs, objects, methods, bodies
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _MISSING
 
 
 def _same_links(links) -> bool:
-    """Every lookup of `_links` gives the very object it gave."""
-    names, modules, holders, attrs, objects, methods = links
+    """Every lookup of `_links` gives the very object it gave, and every function found runs what it ran."""
+    names, modules, holders, attrs, objects, methods, functions = links
     get = sys.modules.get
     if any(map(operator.is_not, map(get, names), modules)):
         return False
     if any(map(operator.is_not, map(getattr, holders, attrs, itertools.repeat(None)), objects)):
         return False
-    return all(getattr(getattr(holder, attr, None), "__func__", None) is function
-               for holder, attr, function in methods)
+    if not all(getattr(getattr(holder, attr, None), "__func__", None) is function
+               for holder, attr, function in methods):
+        return False
+    functions, bodies, full, contents, empty = functions
+    if any(map(operator.is_not, _chain(map(_BODY, functions)), _chain(bodies))):
+        return False
+    try:
+        if any(map(operator.is_not, map(_CONTENTS, full), contents)):
+            return False
+    except ValueError:  # a cell emptied (`del` of a closure variable)
+        return False
+    return all(_cell(cell) is _MISSING for cell in empty)
 
 
 def resolve_source(source: str):

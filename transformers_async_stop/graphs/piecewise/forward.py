@@ -207,7 +207,6 @@ class PiecewiseForward:
                 return outputs
         graphs.recordings[key] = recording
         graphs.sizes = list(map(len, graphs.dicts))  # what transformers' own forward set on its modules while recorded
-        graphs.retake_instances()
         _evict(graphs.recordings, key)
         if self.role == "verify":
             # the recording's logits buffer is the next replay's: the caller gets its own copy, as every replay's

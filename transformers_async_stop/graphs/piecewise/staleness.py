@@ -186,8 +186,9 @@ class ModelGraphs:
         self.retake_instances()
 
     def retake_instances(self) -> None:
-        """The module tables as they are now (at the snapshot, and after each recording: what transformers' own
-        forward set on its modules while recorded, as `sizes`)."""
+        """The module tables as they are now: at the snapshot, right after the proof and before the first recording.
+        Not after a recording: an edit landing while it ran (another thread's) was proven by no one (red team of
+        the issue-38 cuts, hole 1); a table the recording's own forward changed walks at every call instead."""
         tables = self.instances
         self.instance_sizes = list(map(len, tables))
         self.instance_keys = list(_chain(tables))

@@ -31,6 +31,11 @@ from . import acceptance
 MAX_WIDTHS = 8
 
 
+def _where(tensor) -> tuple:
+    """Where a replay finds a tensor: its memory, geometry and type."""
+    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.storage_offset(), tensor.dtype, tensor.device)
+
+
 class GraphedAcceptance:
     """One call's graphs of the greedy acceptance, by width."""
 
@@ -42,9 +47,13 @@ class GraphedAcceptance:
         self.seen: collections.Counter = collections.Counter()
         self.pool = None
         self.off = None if device.type == "cuda" or emulates(device) else f"not CUDA ({device.type})"
-        if self.off is None and any(ids.device != device for ids in ([eos_cut] if eos_cut is not None else [])
-                                    + list(eos_ids or ())):
+        eos = ([eos_cut] if eos_cut is not None else []) + list(eos_ids or ())
+        if self.off is None and any(ids.device != device for ids in eos):
             self.off = "EOS ids on another device (a copy inside a capture)"
+        # a replay reads the EOS ids where they were at the capture: edits in place are seen, new memory is not
+        # (`eos.data = other`, `set_`, `resize_` by a streamer or a processor; red team of the issue-38 cuts, hole 3)
+        self.eos = eos
+        self.eos_where = list(map(_where, eos))
         self.replayed = 0
         self.eager = 0
         self.why = self.off
@@ -52,6 +61,10 @@ class GraphedAcceptance:
     def why_not(self, do_sample, candidate_logits, ensemble_weight, is_done, probs, input_ids) -> str | None:
         """Why this round's acceptance runs eagerly (None: it may replay)."""
         if self.off is not None:
+            return self.off
+        if self.eos and list(map(_where, self.eos)) != self.eos_where:
+            self.off = "EOS ids moved to other memory mid-call"
+            self.close()
             return self.off
         if do_sample:
             return "sampling (its random draws stay eager)"
