@@ -69,7 +69,7 @@ def main():
     if "*" in fake:  # (test-only: every seed is faked, nothing is run or imported)
         import types
 
-        usage_runner = types.SimpleNamespace(LAST_FORWARD=[], LAST_VERIFY=[])
+        usage_runner = types.SimpleNamespace(LAST_FORWARD=[], LAST_VERIFY=[], LAST_ACCEPTANCE=[])
         usage_dimensions = types.SimpleNamespace(reached=lambda sc: set())
         check = dumps = shrink = None
         version = "fake"

@@ -47,6 +47,11 @@ class _Cases:
         self.enterContext(mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "1"}))
         self.target = build("llama", device=self.DEVICE)
         self.helper = build("llama", seed=1, device=self.DEVICE)
+        # drafts of one length: every round after the first two replays (a confidence threshold or the "heuristic"
+        # schedule make widths that a call may see once each: those rounds stay eager, "width K seen once")
+        self.helper.generation_config.num_assistant_tokens_schedule = "constant"
+        self.helper.generation_config.num_assistant_tokens = 3
+        self.helper.generation_config.assistant_confidence_threshold = 0.0
         self.ids = prompt(batch=1, device=self.DEVICE)[0]
 
     def _against_stock(self, ids=None, **kwargs):

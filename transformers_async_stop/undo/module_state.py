@@ -143,7 +143,7 @@ class HookWatch:
     call or mid-call): user code that runs at every forward as a hook does, unseen by torch's hook registry; per
     step one attribute read, the wrapper's code looked at only when the class's `forward` is another object."""
 
-    __slots__ = ("model", "seen", "forward", "why", "modules", "classes", "children", "tables")
+    __slots__ = ("model", "seen", "forward", "why", "modules", "classes", "children", "tables", "unhandled")
 
     def __init__(self, model):
         self.model = model
@@ -151,6 +151,7 @@ class HookWatch:
         self.why = None  # what was noticed, for `last_path()`
         self.modules = self.classes = self.children = None
         self.tables = ()  # the modules' forward hook tables as last listed (`quiet`)
+        self.unhandled = 0  # user hooks found in those tables with no handle made since (the static loop's fingerprint)
 
     def hooked(self) -> bool:
         if self._moved():  # the first look, or a module swapped or replaced since
@@ -168,8 +169,10 @@ class HookWatch:
         now = RemovableHandle.next_id
         # no handle made since the last look: the tables it listed are still looked at (a hook put in one without a
         # handle, by a processor between two steps), from C where they are all empty
-        if now == self.seen and not self._tables_hooked():
-            return False
+        if now == self.seen:
+            if not self._tables_hooked():
+                return False
+            self.unhandled += 1
         self.seen = now
         if hooked(self.model):
             self.why = ("a forward hook is registered on the model: each verdict is read before the next forward, "

@@ -149,11 +149,11 @@ def run(model, input_ids, stopping_criteria, generation_config, streamer, model_
 
 def _fingerprint(model, ctl) -> tuple:
     """What stock reads at every step and the in-place inputs fix for the call, as cheap host values: the count of
-    hooks ever registered (any module, any kind: a new forward hook must get stock's fresh inputs), what the
-    controller's hook watch noticed (a hook put in a module's table without a handle, which the count misses) and
+    hooks ever registered (any module, any kind: a new forward hook must get stock's fresh inputs), the hooks the
+    controller's hook watch found put in a module's table without a handle (which the count misses) and
     the attention implementation (the mask plan is made for one)."""
     config = model.config
-    return (RemovableHandle.next_id, getattr(ctl.hooks, "why", None), getattr(config, "_attn_implementation", None),
+    return (RemovableHandle.next_id, getattr(ctl.hooks, "unhandled", 0), getattr(config, "_attn_implementation", None),
             getattr(config.get_text_config(), "_attn_implementation", None))
 
 
