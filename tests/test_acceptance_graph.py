@@ -106,6 +106,11 @@ class _Cases:
         path = self._against_stock(assistant_model=self.helper, do_sample=True)
         self.assertEqual(path.acceptance, "eager: sampling (its random draws stay eager)")
 
+    def test_the_switch_keeps_every_round_eager_and_says_so(self):
+        with mock.patch.dict(os.environ, {acceptance_graph.ENV: "0"}):
+            path = self._against_stock(assistant_model=self.helper)
+        self.assertEqual(path.acceptance, f"eager: {acceptance_graph.ENV}=0")
+
     def test_the_widths_per_call_are_capped(self):
         ids = torch.tensor(REPEATS, device=self.DEVICE)
         with mock.patch.object(acceptance_graph, "MAX_WIDTHS", 1):

@@ -189,7 +189,7 @@ class HookWatch:
     def _tables_hooked(self) -> bool:
         """A user's forward hook in one of the tables last listed (transformers' own and passive ones left out, as
         `hooked` leaves them)."""
-        return any(map(len, self.tables)) and any(_users(table) for table in self.tables if table)
+        return any(self.tables) and any(_users(table) for table in self.tables if table)
 
     def _moved(self) -> bool:
         """A module's class swapped, or a submodule replaced, since the last look (per step: two C-level passes over

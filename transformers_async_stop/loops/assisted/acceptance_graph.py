@@ -20,6 +20,7 @@ Every other round runs the ops eagerly, as before: `last_path().acceptance` says
 from __future__ import annotations
 
 import collections
+import os
 import warnings
 
 import torch
@@ -29,6 +30,7 @@ from ...state import concurrency
 from . import acceptance
 
 MAX_WIDTHS = 8
+ENV = "TRANSFORMERS_ASYNC_STOP_ACCEPTANCE_GRAPH"  # "0": every round's acceptance eager (a switch for side-by-side runs)
 
 
 def _where(tensor) -> tuple:
@@ -47,6 +49,8 @@ class GraphedAcceptance:
         self.seen: collections.Counter = collections.Counter()
         self.pool = None
         self.off = None if device.type == "cuda" or emulates(device) else f"not CUDA ({device.type})"
+        if self.off is None and os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off"):
+            self.off = f"{ENV}={os.environ[ENV]}"
         eos = ([eos_cut] if eos_cut is not None else []) + list(eos_ids or ())
         if self.off is None and any(ids.device != device for ids in eos):
             self.off = "EOS ids on another device (a copy inside a capture)"
