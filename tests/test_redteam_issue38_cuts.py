@@ -482,7 +482,7 @@ class AcceptanceGraphCut(unittest.TestCase):
 
     def test_an_interrupt_at_the_end_of_the_capture_leaves_no_capture_mode_behind(self):
         from torch.utils._python_dispatch import _get_current_dispatch_mode
-        from transformers_async_stop.loops.assisted import acceptance_graph
+        from transformers_async_stop.graphs import backend as graph_backend
         from transformers_async_stop.testing import emulation
 
         class Interrupted(emulation.Graph):
@@ -493,7 +493,8 @@ class AcceptanceGraphCut(unittest.TestCase):
         class Backend(emulation.Backend):
             Graph = Interrupted
 
-        with mock.patch.object(acceptance_graph, "backend_for", lambda device: Backend):
+        # every capture goes through `graphs.backend.capture`, which asks `backend_for` for the device's backend
+        with mock.patch.object(graph_backend, "backend_for", lambda device: Backend):
             with self.assertRaises(KeyboardInterrupt):
                 _generate(self.target, self.ids, torch.ones_like(self.ids), True, assistant_model=self.helper,
                           max_new_tokens=30, do_sample=False, eos_token_id=None)

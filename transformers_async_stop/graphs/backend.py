@@ -14,6 +14,8 @@ import warnings
 
 import torch
 
+from ..state import concurrency
+
 _EMULATION = None  # the test-only emulation module, once a test imported it
 
 
@@ -77,3 +79,39 @@ class _Cuda:
 def backend_for(device):
     """CUDA's graphs and streams; on the CPU, inside a test's `emulated()`, their emulation."""
     return _EMULATION.Backend if emulates(device) else _Cuda
+
+
+def capture(device, pool, body):
+    """`body()` captured into a new graph on the device's capture stream: (graph, body's outputs), not replayed yet;
+    None where another thread is inside `generate()` (a capture waits its turn, `concurrency.capture_turn`).
+
+    Whatever happens inside the capture, nothing global is left behind: a capture that fails, or is interrupted,
+    leaves the device's random generator as it found it (`heal`), and the exception propagates (the caller's to
+    judge: its step then runs eagerly). The main stream waits for the capture stream at the end either way:
+    `capture_begin` (the heal's too) resets the generator's graph-RNG tensors (seed and philox offset, shared by
+    every graph of the generator) with two real kernels on the capture stream, outside the capture; a replay on the
+    main stream writes the offset it must use into the same tensor, then launches. Without this wait the reset could
+    land after the replay's write while a slow forward holds both streams back, and the step would draw with offset 0.
+    """
+    with concurrency.capture_turn() as alone:
+        if not alone:
+            return None
+        backend = backend_for(device)
+        graph = backend.Graph()
+        main = backend.current_stream(device)
+        stream = backend.capture_stream(device)
+        stream.wait_stream(main)
+        began = False
+        try:
+            with backend.stream(stream):
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                began = True
+                outputs = body()
+                graph.capture_end()
+        except BaseException:
+            if began:
+                backend.heal(graph, stream)
+            raise
+        finally:
+            main.wait_stream(stream)
+    return graph, outputs

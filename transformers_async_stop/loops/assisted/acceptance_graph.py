@@ -25,8 +25,7 @@ import warnings
 
 import torch
 
-from ...graphs.backend import backend_for, emulates
-from ...state import concurrency
+from ...graphs.backend import capture, emulates
 from . import acceptance
 
 MAX_WIDTHS = 8
@@ -128,32 +127,16 @@ class GraphedAcceptance:
                   torch.empty((1,), dtype=input_ids.dtype, device=device),
                   torch.empty((), dtype=torch.long, device=device) if self.budgeted else None)
         self._load(inputs, new_logits, candidates, input_ids, budget)
-        with concurrency.capture_turn() as alone:
-            if not alone:
-                return None
-            backend = backend_for(device)
-            graph = backend.Graph()
-            main = backend.current_stream(device)
-            stream = backend.capture_stream(device)
-            stream.wait_stream(main)
-            began = False
-            try:
-                with backend.stream(stream):
-                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                    began = True
-                    outputs = self._body(inputs)
-                    graph.capture_end()
-            except BaseException as error:
-                if began:
-                    backend.heal(graph, stream)
-                if not isinstance(error, Exception):
-                    raise  # KeyboardInterrupt, SystemExit: after the generator is healed
-                self.off = f"the acceptance could not be captured ({type(error).__name__}: {error})"
-                warnings.warn(f"async_stopping_criteria=True: {self.off}; it runs eagerly for the rest of this call "
-                              "(identical output).", UserWarning, stacklevel=4)
-                return None
-            finally:
-                main.wait_stream(stream)  # as the static loop's tail: the capture's generator reset lands first
+        try:
+            made = capture(device, self.pool, lambda: self._body(inputs))
+        except Exception as error:  # KeyboardInterrupt, SystemExit propagate (after the generator is healed)
+            self.off = f"the acceptance could not be captured ({type(error).__name__}: {error})"
+            warnings.warn(f"async_stopping_criteria=True: {self.off}; it runs eagerly for the rest of this call "
+                          "(identical output).", UserWarning, stacklevel=4)
+            return None
+        if made is None:
+            return None
+        graph, outputs = made
         self.pool = graph.pool()
         self.graphs[width] = (inputs, outputs, graph)
         graph.replay()

@@ -29,8 +29,7 @@ import warnings
 
 import torch
 
-from ...graphs.backend import backend_for
-from ...state import concurrency
+from ...graphs.backend import capture
 
 
 def _is_user(processor) -> bool:
@@ -294,40 +293,18 @@ class Tail:
         Whatever happens inside the capture, nothing global is left behind: a capture that fails, or is interrupted,
         leaves the device's random generator as it found it (`_heal_generator`), so this step's eager run draws what
         stock draws, and so does every later random op in the process."""
-        device = self.seq.device
-        with concurrency.capture_turn() as alone:
-            if not alone:
-                return None  # another thread is inside generate(): eager this step, try again at the next
-            backend = backend_for(device)
-            graph = backend.Graph()
-            main = backend.current_stream(device)
-            stream = backend.capture_stream(device)
-            stream.wait_stream(main)
-            began = False
-            try:
-                with backend.stream(stream):
-                    graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                    began = True
-                    scores = self._body(self.seq[:, :length], advance)
-                    graph.capture_end()
-            except BaseException as error:
-                if began:
-                    backend.heal(graph, stream)
-                if not isinstance(error, Exception):
-                    raise  # KeyboardInterrupt, SystemExit: after the generator is healed
-                # a processor declared graph-safe that is not: run eagerly from now on
-                self.capture = False
-                warnings.warn(f"async_stopping_criteria=True: the decode step could not be captured into a CUDA "
-                              f"graph ({type(error).__name__}: {error}); it runs eagerly for the rest of this call "
-                              "(identical output).", UserWarning, stacklevel=4)
-                return None
-            finally:
-                # `capture_begin` (the heal's too) resets the generator's graph-RNG tensors (seed and philox offset,
-                # shared by every graph of the generator) with two real kernels on the capture stream, outside the
-                # capture; a replay on the main stream writes the offset it must use into the same tensor, then
-                # launches. Without this wait the reset could land after the replay's write while a slow forward holds
-                # both streams back, and the step would draw with offset 0
-                main.wait_stream(stream)
+        try:
+            made = capture(self.seq.device, self.pool, lambda: self._body(self.seq[:, :length], advance))
+        except Exception as error:  # KeyboardInterrupt, SystemExit propagate (after the generator is healed)
+            # a processor declared graph-safe that is not: run eagerly from now on
+            self.capture = False
+            warnings.warn(f"async_stopping_criteria=True: the decode step could not be captured into a CUDA "
+                          f"graph ({type(error).__name__}: {error}); it runs eagerly for the rest of this call "
+                          "(identical output).", UserWarning, stacklevel=4)
+            return None
+        if made is None:
+            return None  # another thread is inside generate(): eager this step, try again at the next
+        graph, scores = made
         self.pool = graph.pool()
         self.graphs[key] = graph
         self.outputs[key] = scores
