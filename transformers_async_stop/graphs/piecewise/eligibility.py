@@ -42,6 +42,7 @@ from ...release_checks.verified import matches, sources_of
 from ..backend import emulates
 from . import proven
 from .code_names import watched_functions
+from .observed import why_global_hooks, why_not_tensors, why_observed
 
 PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"
 
@@ -374,70 +375,4 @@ def why_rebound(entries) -> str | None:
     for owner, name, first in entries:
         if getattr(owner, name, None) is not first:
             return f"{getattr(owner, '__name__', owner)}.{name} was replaced"
-    return None
-
-
-def why_not_tensors(model) -> str | None:
-    """Every parameter and buffer a plain (not DTensor, not meta, not quantized) tensor on one device."""
-    devices = set()
-    for tensor in _tensors(model):
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            return f"a {type(tensor).__name__} parameter (tensor parallelism or quantization)"
-        if tensor.is_meta:
-            return "offloaded (meta) weights"
-        devices.add(tensor.device)
-    if len(devices) > 1:
-        return "weights on several devices"
-    return None
-
-
-def why_global_hooks() -> str | None:
-    hooks = torch.nn.modules.module
-    if (hooks._global_forward_pre_hooks or hooks._global_forward_hooks or hooks._global_backward_hooks
-            or getattr(hooks, "_global_backward_pre_hooks", None)):
-        return "a global module hook"
-    return None
-
-
-def why_observed(model) -> str | None:
-    """A hook or an instance-level forward anywhere would see (or change) what a replay skips."""
-    why = why_global_hooks()
-    if why is not None:
-        return why
-    for module in model.modules():
-        if _has_hooks(module):
-            return f"a hook on {type(module).__name__}"
-        if "forward" in module.__dict__:
-            return f"a wrapped forward on {type(module).__name__}"
-    return None
-
-
-def _has_hooks(module) -> bool:
-    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
-                or getattr(module, "_backward_pre_hooks", None))
-
-
-def _tensors(model):
-    yield from model.parameters()
-    yield from model.buffers()
-
-
-def why_not_cache(cache) -> str | None:
-    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
-
-    if type(cache) is not DynamicCache or getattr(cache, "is_compileable", False):
-        return f"a {type(cache).__name__}"
-    # full-attention and sliding-window layers: each one's update runs eagerly between the pieces (a sliding layer's
-    # mask is answered on the host: `masks.host_mask`)
-    if any(type(layer) is not DynamicLayer and type(layer) is not DynamicSlidingWindowLayer for layer in cache.layers):
-        return "cache layers other than DynamicLayer and DynamicSlidingWindowLayer"
-    if "update" in cache.__dict__:
-        return "a cache with its own update"
-    # each replay calls the cache's and its layers' `update` eagerly, between the pieces: user code there (patched on
-    # the class, or set on a layer) could change what the rest of the step reads (red team Q6)
-    if not (proven.transformers_own(DynamicCache.update) and proven.transformers_own(DynamicLayer.update)
-            and proven.transformers_own(DynamicSlidingWindowLayer.update)):
-        return "a cache update that is not transformers' own"
-    if any("update" in layer.__dict__ for layer in cache.layers):
-        return "a cache layer with its own update"
     return None

@@ -41,7 +41,7 @@ import sys
 import torch
 
 from ...release_checks import cache_kwarg
-from . import eligibility, proven, settings, steps
+from . import eligibility, observed, proven, settings, steps
 from .auto import normal_form, proof, run_watch
 from .graphs import CaptureFailed, NotRecordable, record
 from .staleness import ModelGraphs, graphs_of  # noqa: F401 (the per-model store: `forward.graphs_of` for callers)
@@ -317,7 +317,7 @@ class PiecewiseForward:
             return None, None, f"a {self.role} batch other than 1"
         if inputs.get("use_cache", True) is not True or type(keep) is not int:
             return None, None, "inputs the recording does not take"
-        why = eligibility.why_not_cache(cache)
+        why = observed.why_not_cache(cache)
         if why is not None:
             return None, None, why
         if len(cache.layers) != len(self.modules) or not cache.layers[0].is_initialized:
