@@ -356,3 +356,19 @@ class ThreadScenariosAreFair(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TheDiffComparesNaNsAsEqual(unittest.TestCase):
+    """A host read of a NaN on both sides is no difference (seed 10761 on 5.23.0: a user module's `.item()` of a NaN
+    norm, reported as "stock nan vs flag nan"); a NaN on one side is."""
+
+    def test_two_nan_floats_are_the_same(self):
+        self.assertIsNone(usage_runner.diff([1.0, float("nan")], [1.0, float("nan")]))
+
+    def test_a_nan_against_a_number_differs(self):
+        self.assertIn("stock nan vs flag 1.0", usage_runner.diff({"v": [float("nan")]}, {"v": [1.0]}))
+
+    def test_nan_tensors_stay_compared_as_before(self):
+        nan = torch.tensor([float("nan"), 2.0])
+        self.assertIsNone(usage_runner.diff(nan, nan.clone()))
+        self.assertIsNotNone(usage_runner.diff(nan, torch.tensor([1.0, 2.0])))

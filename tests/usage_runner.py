@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import random
 import threading
 import traceback
@@ -118,6 +119,8 @@ def diff(a, b, path="") -> str | None:
             if d:
                 return d
         return None if len(a) == len(b) else f"{path}: length {len(a)} vs {len(b)}"
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return None  # a host read (`.item()`) of a NaN on both sides (seed 10761: the fuzzer's false failure)
     return None if a == b else f"{path}: stock {a!r} vs flag {b!r}"
 
 
