@@ -369,6 +369,8 @@ class TheDiffComparesNaNsAsEqual(unittest.TestCase):
         self.assertIn("stock nan vs flag 1.0", usage_runner.diff({"v": [float("nan")]}, {"v": [1.0]}))
 
     def test_nan_tensors_stay_compared_as_before(self):
+        import torch
+
         nan = torch.tensor([float("nan"), 2.0])
         self.assertIsNone(usage_runner.diff(nan, nan.clone()))
         self.assertIsNotNone(usage_runner.diff(nan, torch.tensor([1.0, 2.0])))
