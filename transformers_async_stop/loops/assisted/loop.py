@@ -148,7 +148,8 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
     (= v5.18.0-v5.22.2 but for one annotation) and v5.24.0 (5.23's loop with the cache renamed `cache`, decode rounds
     through the compiled forward, and a croppable-cache check after the prefill), per `port`, from the candidate generator on (the caller made it as
     stock does). Differences:
-    - acceptance on the device (`acceptance.select` / `speculative` / `accepted_length`), then one read per round
+    - acceptance on the device (`acceptance.select` / `speculative` / `accepted_length`; a greedy round's replayed
+      from one CUDA graph per width, `acceptance_graph.py`), then one read per round
       (`RoundBox`): `n_matches` is a Python int from there on, so the cache crop, `update_candidate_strategy`,
       `_update_model_kwargs_for_generation` and the records get ints, as in stock's 5.23 loop;
     - the streamer gets the kept tokens from that read (stock: `valid_tokens.cpu()`, same values and shape);
