@@ -21,10 +21,13 @@ from transformers_async_stop.loops.assisted import acceptance_graph
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
 
-RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
+RELEASES = (4, 57) <= TRANSFORMERS_VERSION <= (5, 24)  # the releases of the package's assisted loop
 CUDA = torch.cuda.is_available() and RELEASES
 # a prompt that repeats: prompt lookup finds candidates of several widths, and none (width 1) in some rounds
 REPEATS = [[3, 4, 5, 6, 3, 4, 5, 7, 3, 4]]
+# an EOS id for prompt lookup: 4.57-5.0's lookup generator compares the candidates with the EOS ids (`isin`), and
+# raises without one
+LOOKUP_EOS = 1
 
 
 class TokenLog:
@@ -71,7 +74,7 @@ class _Cases:
 
     def test_prompt_lookup_of_several_widths_replays_and_equals_stock(self):
         ids = torch.tensor(REPEATS, device=self.DEVICE)
-        path = self._against_stock(ids, prompt_lookup_num_tokens=3)
+        path = self._against_stock(ids, prompt_lookup_num_tokens=3, eos_token_id=LOOKUP_EOS)
         self.assertTrue(path.acceptance.startswith("graphed"), path.acceptance)
 
     def test_eos_among_the_candidates_and_a_clipped_last_round_equal_stock(self):
@@ -114,7 +117,7 @@ class _Cases:
     def test_the_widths_per_call_are_capped(self):
         ids = torch.tensor(REPEATS, device=self.DEVICE)
         with mock.patch.object(acceptance_graph, "MAX_WIDTHS", 1):
-            path = self._against_stock(ids, prompt_lookup_num_tokens=3)
+            path = self._against_stock(ids, prompt_lookup_num_tokens=3, eos_token_id=LOOKUP_EOS)
         self.assertIn("more than 1 widths in one call", path.acceptance)
 
     def test_a_failed_capture_runs_the_rest_eagerly_with_a_warning_and_equals_stock(self):
@@ -156,12 +159,12 @@ class _Cases:
         self.assertEqual((made[0].graphs, made[0].pool), ({}, None))
 
 
-@unittest.skipUnless(CUDA, "CUDA and the releases of the package's dynamic-cache loop")
+@unittest.skipUnless(CUDA, "CUDA and the releases of the package's assisted loop")
 class AcceptanceGraphOnCuda(_Cases, unittest.TestCase):
     DEVICE = "cuda"
 
 
-@unittest.skipUnless(RELEASES, "the releases of the package's dynamic-cache loop")
+@unittest.skipUnless(RELEASES, "the releases of the package's assisted loop")
 class AcceptanceGraphEmulatedOnCpu(_Cases, unittest.TestCase):
     DEVICE = "cpu"
 
@@ -170,7 +173,7 @@ class AcceptanceGraphEmulatedOnCpu(_Cases, unittest.TestCase):
         super().setUp()
 
 
-@unittest.skipUnless(RELEASES, "the releases of the package's dynamic-cache loop")
+@unittest.skipUnless(RELEASES, "the releases of the package's assisted loop")
 class AcceptanceOnTheCpu(unittest.TestCase):
     def test_the_cpu_keeps_the_acceptance_eager_and_says_why(self):
         target, helper = build("llama"), build("llama", seed=1)

@@ -9,8 +9,8 @@ computes the same ops on them (`_body`: the functions above, unchanged but for t
 `torch.minimum` for `clamp(max=...)`: the same integer), and the packed verdict goes out with `RoundBox.send_packed`.
 
 Where it runs: greedy rounds (`do_sample` off, no ensemble weight with draft logits: their choice is one `argmax`,
-no random numbers), without the 4.57-5.17 "done candidate" input or scikit-learn's draft probabilities, on a CUDA
-device (or the tests' emulation), with the sequence holding a token. A width is captured at its second sighting
+no random numbers), without scikit-learn's draft probabilities, on a CUDA device (or the tests' emulation), with the
+sequence holding a token; 4.57-5.17's "done candidate" verdict (one device boolean) is one more input. A width is captured at its second sighting
 (a width seen once, the last round clipped by the length, may never come back), at most `MAX_WIDTHS` per call; the
 graphs, their inputs and their memory pool are the call's and are freed with it (`close`). A capture that fails
 leaves the rounds eager for the rest of the call, with the device's generator healed, as the static loop's tail.
@@ -44,7 +44,7 @@ class GraphedAcceptance:
         self.device = device
         self.eos_cut, self.eos_ids, self.budgeted = eos_cut, eos_ids, budgeted
         self.report = report
-        self.graphs: dict = {}  # K -> (inputs, outputs, graph)
+        self.graphs: dict = {}  # (K, the done-candidate verdict's shape) -> (inputs, outputs, graph)
         self.seen: collections.Counter = collections.Counter()
         self.pool = None
         self.off = None if device.type == "cuda" or emulates(device) else f"not CUDA ({device.type})"
@@ -73,60 +73,66 @@ class GraphedAcceptance:
             return "sampling (its random draws stay eager)"
         if ensemble_weight is not None and candidate_logits is not None:
             return "an ensemble weight with draft logits"
-        if is_done is not None:
-            return "a done-candidate check (4.57-5.17)"
+        if is_done is not None and not (isinstance(is_done, torch.Tensor) and is_done.dtype == torch.bool
+                                        and is_done.numel() == 1 and is_done.device == self.device):
+            return "a done-candidate verdict other than one boolean on the device"
         if probs is not None:
             return "draft probabilities for scikit-learn"
         if input_ids.shape[1] == 0:
             return "a sequence without a token yet (inputs_embeds)"
         return None
 
-    def run(self, new_logits, candidates, input_ids, budget):
+    def run(self, new_logits, candidates, input_ids, budget, is_done=None):
         """(tokens, packed) from the graph of this width, or None: this round runs the ops eagerly. `tokens` and
-        `packed` are the graph's own outputs: read (copied) before the next round's replay writes them again."""
+        `packed` are the graph's own outputs: read (copied) before the next round's replay writes them again.
+        `is_done`: 4.57-5.17's "done candidate" verdict (one device boolean), None on the other releases."""
         width = candidates.shape[1] + 1
-        entry = self.graphs.get(width)
+        key = (width, None if is_done is None else tuple(is_done.shape))
+        entry = self.graphs.get(key)
         if entry is None:
             if len(self.graphs) >= MAX_WIDTHS:
                 return self._eager(f"more than {MAX_WIDTHS} widths in one call")
-            self.seen[width] += 1
-            if self.seen[width] < 2:
+            self.seen[key] += 1
+            if self.seen[key] < 2:
                 return self._eager(f"width {width} seen once")
-            entry = self._capture(width, new_logits, candidates, input_ids, budget)
+            entry = self._capture(key, new_logits, candidates, input_ids, budget, is_done)
             if entry is None:
                 return self._eager(self.off or "another thread is inside generate()")
         else:
             inputs, _, graph = entry
-            self._load(inputs, new_logits, candidates, input_ids, budget)
+            self._load(inputs, new_logits, candidates, input_ids, budget, is_done)
             graph.replay()
         self.replayed += 1
         self._note()
         return entry[1]
 
-    def _load(self, inputs, new_logits, candidates, input_ids, budget) -> None:
-        logits, tokens, previous, limit = inputs
+    def _load(self, inputs, new_logits, candidates, input_ids, budget, is_done) -> None:
+        logits, tokens, previous, limit, done = inputs
         logits.copy_(new_logits)
         tokens.copy_(candidates)
         previous.copy_(input_ids[0, -1:])
         if limit is not None:
             limit.fill_(budget)
+        if done is not None:
+            done.copy_(is_done)
 
     def _body(self, inputs):
-        logits, candidates, previous, limit = inputs
+        logits, candidates, previous, limit, done = inputs
         width = logits.shape[1]
         tokens, n_matches = acceptance.select(logits, candidates, None, width - 1, False, None)
-        length = acceptance.accepted_length(n_matches, tokens, None, limit, self.eos_cut)
+        length = acceptance.accepted_length(n_matches, tokens, done, limit, self.eos_cut)
         eos_stop = acceptance.last_eos_after(previous, tokens, length, self.eos_ids) if self.eos_ids else None
         zero = length.new_zeros(())
         header = torch.stack([length, zero if eos_stop is None else eos_stop.long(), zero])
         return tokens, torch.cat((header, tokens[0]))
 
-    def _capture(self, width, new_logits, candidates, input_ids, budget):
+    def _capture(self, key, new_logits, candidates, input_ids, budget, is_done):
         device = self.device
         inputs = (torch.empty_like(new_logits), torch.empty_like(candidates),
                   torch.empty((1,), dtype=input_ids.dtype, device=device),
-                  torch.empty((), dtype=torch.long, device=device) if self.budgeted else None)
-        self._load(inputs, new_logits, candidates, input_ids, budget)
+                  torch.empty((), dtype=torch.long, device=device) if self.budgeted else None,
+                  None if is_done is None else torch.empty_like(is_done))
+        self._load(inputs, new_logits, candidates, input_ids, budget, is_done)
         try:
             made = capture(device, self.pool, lambda: self._body(inputs))
         except Exception as error:  # KeyboardInterrupt, SystemExit propagate (after the generator is healed)
@@ -138,9 +144,9 @@ class GraphedAcceptance:
             return None
         graph, outputs = made
         self.pool = graph.pool()
-        self.graphs[width] = (inputs, outputs, graph)
+        self.graphs[key] = (inputs, outputs, graph)
         graph.replay()
-        return self.graphs[width]
+        return self.graphs[key]
 
     def _eager(self, why):
         self.eager += 1
