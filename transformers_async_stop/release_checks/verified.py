@@ -107,8 +107,9 @@ def matches(name: str) -> bool:
 
 def _links(name: str):
     """Every lookup that resolves the shortcut's sources ("module:A.b" is `sys.modules["module"]`, then `.A`, then
-    `.b`), with the object each gave: (modules' names, the modules, holders, attribute names, the objects, and the
-    last lookups whose object is a bound method: (holder, name, its function)). Comparing these by identity is
+    `.b`), with the object each gave: (modules' names, the modules, holders, attribute names, the objects, the last
+    lookups whose object is a bound method: (holder, name, its function), and what the functions found run: their
+    code, defaults and closure cells). Comparing these by identity is
     resolving every source again (`_objects`), without parsing its name: `matches` runs at every step of some loops.
     None where a source does not resolve (`_objects` then compares, as before)."""
     names, modules, holders, attrs, objects, methods, functions = [], [], [], [], [], [], []

@@ -33,7 +33,6 @@ dropped first.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import operator
 import sys
@@ -44,13 +43,12 @@ from ...release_checks import cache_kwarg
 from . import eligibility, observed, proven, settings, steps
 from .auto import normal_form, proof, run_watch
 from .graphs import CaptureFailed, NotRecordable, record
-from .staleness import ModelGraphs, graphs_of  # noqa: F401 (the per-model store: `forward.graphs_of` for callers)
+from .staleness import _PLAIN_TABLES, ModelGraphs, graphs_of  # noqa: F401 (the per-model store: `forward.graphs_of`)
 
 MAX_KEYS = 4  # one-token recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
 MAX_WIDE = 8  # K-token recordings per model (verify widths, the draft's prefill): least replayed dropped beyond
 ROLES = ("decode", "draft", "verify")
 _TRAINING = operator.attrgetter("training")
-_PLAIN_TABLES = (dict, collections.OrderedDict)
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
 try:

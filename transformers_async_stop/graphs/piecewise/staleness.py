@@ -183,20 +183,16 @@ class ModelGraphs:
         self.instances = instances if all(type(table) in _PLAIN_TABLES for table in instances) else []
         self.hook_tables = [table for module in every for name in _HOOK_TABLES
                             if (table := module.__dict__.get(name)) is not None]
-        self.retake_instances()
-
-    def retake_instances(self) -> None:
-        """The module tables as they are now: at the snapshot, right after the proof and before the first recording.
-        Not after a recording: an edit landing while it ran (another thread's) was proven by no one (red team of
-        the issue-38 cuts, hole 1); a table the recording's own forward changed walks at every call instead."""
-        tables = self.instances
-        self.instance_sizes = list(map(len, tables))
-        self.instance_keys = list(_chain(tables))
-        self.instance_values = list(_chain(map(dict.values, tables)))
+        # taken here only, right after the proof and before the first recording; not after a recording: an edit
+        # landing while it ran (another thread's) was proven by no one (red team of the issue-38 cuts, hole 1), and a
+        # table the recording's own forward changed walks at every call instead
+        self.instance_sizes = list(map(len, self.instances))
+        self.instance_keys = list(_chain(self.instances))
+        self.instance_values = list(_chain(map(dict.values, self.instances)))
 
     def same_instances(self) -> bool:
         """Every module's `__dict__`, and its children, parameter and buffer tables, hold the very keys and values
-        they held as proven (`retake_instances`): identity only, no `==` (a value's `__eq__` is user code, or a
+        they held as proven (`snapshot`): identity only, no `==` (a value's `__eq__` is user code, or a
         tensor's elementwise compare). With the same keys in the same order and the same objects, each table is the
         one proven, so the module tree, its attributes, overrides and hook tables are too (`eligibility.why_not_again`
         asks this once per call instead of walking every module's `__dict__` with the proof's tests). A few hundred

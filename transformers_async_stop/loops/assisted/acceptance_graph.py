@@ -155,8 +155,8 @@ class GraphedAcceptance:
         return None
 
     def note_eager(self, why: str) -> None:
-        """A round whose acceptance `why_not` kept eager."""
-        self._eager(why)
+        """A round whose acceptance `why_not` kept eager (None, as `run` gives for an eager round)."""
+        return self._eager(why)
 
     def _note(self) -> None:
         if self.report is None:

@@ -274,10 +274,8 @@ def run(model, port: Port, candidate_generator, input_ids, logits_processor, sto
             probs = draft.take_probs() if draft is not None else None
             budget = generation_config.max_length - cur_len if port.budget else None
             why = graphed.why_not(do_sample, candidate_logits, ensemble_weight, is_done_candidate, probs, input_ids)
-            replayed = None if why is not None else graphed.run(new_logits, candidate_new_tokens, input_ids, budget,
-                                                                 is_done_candidate)
-            if why is not None:
-                graphed.note_eager(why)
+            replayed = graphed.run(new_logits, candidate_new_tokens, input_ids, budget, is_done_candidate) \
+                if why is None else graphed.note_eager(why)
             if replayed is not None:
                 tokens, packed = replayed
                 box.send_packed(packed)
