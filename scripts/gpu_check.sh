@@ -37,6 +37,8 @@
 #             Llama-1B token's GPU time goes, DynamicCache against static (scripts/kernel_split.py)
 #   issue38bench  the assisted bench with stock, flag, upstream and floor (BENCH_REPS, default 5), and the
 #             package's host time per assisted round by stage on CUDA (scripts/round_host_cost.py --device cuda)
+#   bound     issue 38's targets with the per-step checks stubbed out beside the flag and stock, rotated rep by rep
+#             in one process (scripts/checks_free_bound.py; BOUND_REPS, default 5): what a free check would give
 #   all       tests,overhead,bench
 # Stage limits (seconds): T_CUDA, T_NEW, T_ASSISTED (the three pytest runs of `tests`), USAGE_TIMEOUT (per seed).
 # Environment: VERSIONS="t4576 t500 t517 t523" (which releases; default "t523"), PROFILE_CASES, PROFILE_VARIANTS,
@@ -154,6 +156,12 @@ for tag in ${VERSIONS:-t523}; do
     timeout 240 python3 scripts/round_host_cost.py --device cuda --full --runs 3 --new-tokens 128 \
       > "$out/round_host_cost_$ver.txt" 2>&1
     grep -E "^==|total wall|package-only" "$out/round_host_cost_$ver.txt"
+  fi
+  pack
+  if has bound; then
+    timeout "${T_BOUND:-420}" python3 scripts/checks_free_bound.py --reps "${BOUND_REPS:-5}" \
+      > "$out/checks_free_bound_$ver.txt" 2>&1
+    grep -vE "^\[|Warning|warn|Passing" "$out/checks_free_bound_$ver.txt" | tail -30
   fi
   pack
   if has lora; then
