@@ -36,7 +36,8 @@
 #             the assisted tests), the usage fuzzer's assisted dimension (USAGE_DRAWS, default 300), and where a
 #             Llama-1B token's GPU time goes, DynamicCache against static (scripts/kernel_split.py)
 #   issue38bench  the assisted bench with stock, flag, upstream and floor (BENCH_REPS, default 5), and the
-#             package's host time per assisted round by stage on CUDA (scripts/round_host_cost.py --device cuda)
+#             package's host time per assisted round by stage on CUDA (scripts/round_host_cost.py --device cuda;
+#             ROUND_COST=0 leaves it out)
 #   bound     issue 38's targets with the per-step checks stubbed out beside the flag and stock, rotated rep by rep
 #             in one process (scripts/checks_free_bound.py; BOUND_REPS, default 5): what a free check would give
 #   all       tests,overhead,bench
@@ -153,9 +154,11 @@ for tag in ${VERSIONS:-t523}; do
     timeout 300 python3 -m transformers_async_stop.bench --cases llama-1b-draft,llama-1b-copy,llama-1b-lookup \
       --variants stock,async,upstream,floor --reps "${BENCH_REPS:-5}" > "$out/bench_assisted_$ver.txt" 2>&1
     tail -22 "$out/bench_assisted_$ver.txt"
-    timeout 240 python3 scripts/round_host_cost.py --device cuda --full --runs 3 --new-tokens 128 \
-      > "$out/round_host_cost_$ver.txt" 2>&1
-    grep -E "^==|total wall|package-only" "$out/round_host_cost_$ver.txt"
+    if [ "${ROUND_COST:-1}" = 1 ]; then  # ROUND_COST=0: the bench alone
+      timeout 240 python3 scripts/round_host_cost.py --device cuda --full --runs 3 --new-tokens 128 \
+        > "$out/round_host_cost_$ver.txt" 2>&1
+      grep -E "^==|total wall|package-only" "$out/round_host_cost_$ver.txt"
+    fi
   fi
   pack
   if has bound; then
