@@ -443,8 +443,8 @@ def run_case(name, args, profile_dir):
     rounds = {True: [], False: []}
     with emulated() if args.device == "cpu" else contextlib.nullcontext():
         stock_out, *_ = _call(target, kwargs, flag=False, wrap=False)
-        # the flag's calls first, then stock's: `tas.apply()` after a stock call makes new patch objects, and the
-        # next flag call digests the sources behind them again (`verified.matches`, hundreds of ms), not per round
+        # the flag's calls first, then stock's (before 67c025d, `tas.apply()` after a stock call made the next flag
+        # call read every digested source again, hundreds of ms: `verified.source_digest` now reads each once)
         for _ in range(2):  # records the pieces (a width is recorded at its second sighting); not counted
             flag_out, *_ = _call(target, kwargs, flag=True, wrap=False)
         path = tas.last_path()

@@ -52,7 +52,8 @@ def source_digest(obj) -> str:
     function, and a function's code object, which is immutable: the same (object, code) pair has the same source."""
     target = inspect.unwrap(obj)
     target = getattr(target, "__func__", target)
-    code = getattr(target, "__code__", None)
+    # a class's source is found by its `__firstlineno__` where it has one (3.13+), which can be set
+    code = getattr(target, "__code__", None) or getattr(target, "__firstlineno__", None)
     saved = _READ.get(id(target))
     if saved is not None and saved[0] is target and saved[1] is code:
         return saved[2]
