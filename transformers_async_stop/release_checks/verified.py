@@ -19,6 +19,7 @@ import sys
 import types
 import textwrap
 import threading
+import weakref
 
 from .targets import SHORTCUTS
 
@@ -37,31 +38,38 @@ _chain = itertools.chain.from_iterable
 _OWN_MARK = "_transformers_async_stop_patched"  # `config.MARKER`
 
 
-_READ: dict = {}  # id(what `inspect.getsource` reads) -> (that object, its code, the digest)
-_READ_MAX = 1024
+_READ: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a function -> (its code, the digest)
+
+
+def _read(obj) -> str:
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode("utf-8")).hexdigest()[:12]
 
 
 def source_digest(obj) -> str:
     """sha256 (first 12 hex digits) of an object's source as written in its file, dedented.
 
-    Read once per object and code: `inspect.getsource` tokenizes the whole file around it (milliseconds a source),
-    and a verdict is taken again whenever a source is another object than the one it was taken on. Whoever rebinds
-    a source back and forth (`unpatch()` / `apply()` around each stock call of the benchmark, a library patching
-    `_sample` for the length of a call) made every call read and tokenize the sources again: about 90 ms per call on
-    an H200 host (issue 38). What `getsource` reads is the innermost object of a `__wrapped__` chain, a method's
-    function, and a function's code object, which is immutable: the same (object, code) pair has the same source."""
+    A function's is read once per code object: `inspect.getsource` tokenizes the whole file around it (milliseconds a
+    source), and a verdict is taken again whenever a source is another object than the one it was taken on. Whoever
+    rebinds a source back and forth (`unpatch()` / `apply()` around each stock call of the benchmark, a library
+    patching `_sample` for the length of a call) made every call read and tokenize the sources again: 64-88 ms per
+    call on an H200 host (issue 38). What `getsource` reads for a function is the innermost function of its
+    `__wrapped__` chain (a bound method's `__func__`), found by its code object, which is immutable: the same
+    function with the same code has the same source. Exactly that, as `inspect` does it: `__func__` is followed for a
+    bound method only (a wrapper that merely holds the original in a `__func__` attribute is read as itself: red team
+    of the memo, hole 1), and anything but a plain function (a class, found by its `__qualname__` and `__module__`,
+    both settable) is read every time. Kept by a weak reference: a digested replacement, its closure and globals are
+    not kept alive by the memo."""
     target = inspect.unwrap(obj)
-    target = getattr(target, "__func__", target)
-    # a class's source is found by its `__firstlineno__` where it has one (3.13+), which can be set
-    code = getattr(target, "__code__", None) or getattr(target, "__firstlineno__", None)
-    saved = _READ.get(id(target))
-    if saved is not None and saved[0] is target and saved[1] is code:
-        return saved[2]
-    digest = hashlib.sha256(textwrap.dedent(inspect.getsource(obj)).encode("utf-8")).hexdigest()[:12]
-    if len(_READ) >= _READ_MAX:  # bounded: objects rebound without end are not kept alive for good
-        _READ.clear()
-    # the object and its code are kept with the digest: an id is reused only once its object is gone
-    _READ[id(target)] = (target, code, digest)
+    if isinstance(target, types.MethodType):
+        target = target.__func__
+    if type(target) is not types.FunctionType:
+        return _read(obj)
+    code = target.__code__
+    saved = _READ.get(target)
+    if saved is not None and saved[0] is code:
+        return saved[1]
+    digest = _read(obj)
+    _READ[target] = (code, digest)
     return digest
 
 
