@@ -19,8 +19,9 @@ Cases (Llama-1B-shaped bf16 built from its config, batch 1, greedy unless said; 
   stock <= 0.4x.
 - `lookup`: prompt lookup (10 tokens) on the echo target. Target: wall / floor <= 2.0x.
 The variants run rotated rep by rep in one process (the host drifts between processes); "floor" is the summed
-kernel time per token of one profiled flag call (CUDA only). `--narrow` (and no CUDA): a hidden size of 64 on the
-CPU with the CUDA graphs emulated, to check the script itself; its times are no GPU's.
+device time per token of one profiled flag call, as the benchmark takes it (`bench.gpu.gpu_timeline`; CUDA only).
+`--narrow` (and no CUDA): a hidden size of 64 on the CPU with the CUDA graphs emulated, to check the script itself;
+its times are no GPU's.
 Not a test: a measurement, printed as a table and one JSON line.
 """
 
@@ -113,17 +114,13 @@ def call(target, kwargs, patched, extra, context, device):
 
 
 def floor_ms(target, kwargs, extra, new_tokens) -> float | None:
-    """Summed CUDA kernel time per token of one call (None off CUDA)."""
+    """Device time per token of one call, as the benchmark takes its floor (`bench.gpu.gpu_timeline`; None off
+    CUDA)."""
     if not torch.cuda.is_available():
         return None
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.manual_seed(0)
-        with torch.no_grad():
-            target.generate(**kwargs, **extra)
-        torch.cuda.synchronize()
-    total_us = sum(event.device_time_total for event in prof.events()
-                   if event.device_type == torch.autograd.DeviceType.CUDA)
-    return total_us / 1000 / new_tokens
+    from transformers_async_stop.bench.gpu import gpu_timeline
+
+    return gpu_timeline(target, kwargs, extra, torch.device("cuda"))["busy"] / new_tokens
 
 
 def run_case(name, args, device):
