@@ -373,6 +373,35 @@ class TorchReplacedOrReconfigured(_Case):
         finally:
             matmul.allow_fp16_accumulation = before
 
+    def test_a_setting_torch_refuses_to_read_raises_nothing_stock_does_not(self):
+        """With the legacy and the new fp32-precision APIs disagreeing, this torch's `get_float32_matmul_precision`
+        raises; stock's generate() never asks it, so the flag's per-step read of the settings must not raise either
+        (the usage fuzzer, seed 31396). The same tokens as stock, and the forward still replays."""
+        matmul = torch.backends.cuda.matmul
+        before = (torch.get_float32_matmul_precision(), matmul.allow_tf32)
+        try:
+            torch.set_float32_matmul_precision("high")
+            matmul.allow_tf32 = False
+            try:
+                torch.get_float32_matmul_precision()
+            except RuntimeError:
+                pass
+            else:
+                self.skipTest("this torch answers a mixed fp32-precision state")
+            with emulated() if self.DEVICE == "cpu" else contextlib.nullcontext():
+                model = build("llama", device=self.DEVICE)
+                kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+                with stock():
+                    expected = model.generate(_prompt(self.DEVICE), **kwargs)
+                for _ in range(2):  # the first call records, the second replays
+                    got = model.generate(_prompt(self.DEVICE), **kwargs, async_stopping_criteria=True)
+                    self.assertTrue(torch.equal(got, expected))
+                self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
+        finally:
+            torch.set_float32_matmul_precision(before[0])
+            matmul.allow_tf32 = before[1]
+            self.assertEqual(torch.get_float32_matmul_precision(), before[0], "the process's settings restored")
+
     def test_every_kernel_setting_reader_of_torch_is_read_or_named(self):
         """A torch release that grows a setting reader neither read nor named fails here (review it)."""
         from transformers_async_stop.graphs.piecewise import settings

@@ -51,6 +51,15 @@ def _attr(owner, name):
 
 
 _MATMUL, _CUDNN, _CUDA = torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cuda
+def _read(get):
+    """A setting as the user reads it, or the error its getter raises (torch refuses `get_float32_matmul_precision`
+    once the legacy and the new fp32-precision APIs disagree: seed 31396), compared like any other reading."""
+    try:
+        return get()
+    except RuntimeError as error:
+        return ("raises", type(error).__name__)
+
+
 BACKEND = {  # name: (getter, setter, values drawn)
     "tf32": (*_attr(_MATMUL, "allow_tf32"), (True, False)),
     "bf16_reduced": (*_attr(_MATMUL, "allow_bf16_reduced_precision_reduction"), (False, True)),
@@ -289,7 +298,7 @@ class User:
     # what the user sees ----------------------------------------------------------------------------------------------
     def observe(self):
         out = {"log": list(self.log), "knob": classes.KNOB, "gain": classes.SUB_GAIN["value"]}
-        out["backend"] = {name: get() for name, (get, _, _) in BACKEND.items()}
+        out["backend"] = {name: _read(get) for name, (get, _, _) in BACKEND.items()}
         m = self.module
         if m is not None:
             out["module"] = {k: getattr(m, k) for k in ("strength", "steps", "calls", "threshold", "_enabled")
