@@ -73,6 +73,34 @@ class EmulatedGraph(unittest.TestCase):
         self.assertTrue(torch.equal(view, (torch.arange(4.0) * 3.0).view(2, 2).t()))
         self.assertEqual(view.data_ptr(), base.data_ptr())
 
+    def test_a_replay_overwrites_what_a_later_capture_of_its_pool_made(self):
+        # CUDA's allocator may give a later capture of a shared pool the memory an earlier capture freed: replaying
+        # the earlier graph then writes over the later one's tensors. The emulation makes it certain (issue 43)
+        x = torch.ones(3)
+        first = Graph()
+        first.capture_begin()
+        (x * 2.0).sum()  # a temporary of the first capture
+        first.capture_end()
+        first.replay()
+        second = Graph()
+        second.capture_begin(pool=first.pool())
+        kept = x * 3.0
+        second.capture_end()
+        second.replay()
+        outside = x * 4.0  # made outside any capture: not the pool's
+        first.replay()
+        self.assertTrue(torch.isnan(kept).all())
+        self.assertTrue(torch.equal(outside, torch.full((3,), 4.0)))
+        second.replay()  # a replay of the later graph writes its tensors again, and touches no earlier one's
+        self.assertTrue(torch.equal(kept, torch.full((3,), 3.0)))
+
+    def test_graphs_of_different_pools_do_not_overwrite_each_other(self):
+        x = torch.ones(3)
+        first, _ = _captured(lambda: x * 2.0)
+        second, kept = _captured(lambda: x * 3.0)
+        first.replay()
+        self.assertTrue(torch.equal(kept, torch.full((3,), 3.0)))
+
     def test_a_host_read_fails_the_capture_and_leaves_no_capture_on(self):
         x = torch.ones(3)
         graph = Graph()

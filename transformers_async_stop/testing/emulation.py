@@ -14,10 +14,17 @@ would never run it. Inside `with emulated():` it runs on CPU models too, through
   what the model decided in Python while recording (shapes, branches, scalars) is baked in, as on CUDA;
 - an op that reads the device on the host or has a data-dependent output shape (`.item()`, `nonzero`, `equal`...)
   fails the capture, as it invalidates a CUDA capture;
-- streams are one: ordering is the program's.
+- streams are one: ordering is the program's;
+- memory pools (`_Pool`): graphs captured into one pool share its memory, and CUDA's allocator may hand a later
+  capture's tensors the memory an earlier capture freed (its temporaries). So a replay of a graph may overwrite any
+  tensor a graph captured *after* it in the same pool made, still alive or not: PyTorch's contract is to replay a
+  pool's graphs in their capture order and read nothing a later graph made once an earlier one replayed. The
+  emulation makes that overwrite certain: each replay poisons (NaN, or a negative integer) every live tensor that a
+  later capture of its pool made, the graph gone or not. Code that reads a replay's output after another graph of
+  the pool replayed (an output handed to the caller and kept, such as scores aliasing a verify forward's logits)
+  fails here as it would on CUDA only by chance (issue 43, item 1).
 
-What it cannot show: CUDA-only faults (memory a later capture reuses, stream ordering, kernel choice). Those stay for
-the CUDA tests. Never on outside tests: `active()` is false unless a test entered `emulated()`.
+What it cannot show: the other CUDA-only faults (stream ordering, kernel choice). Those stay for the CUDA tests. Never on outside tests: `active()` is false unless a test entered `emulated()`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -133,10 +141,37 @@ def _integer_index(func, args) -> bool:
                for index in args[1])
 
 
+class _Pool:
+    """A memory pool shared by the graphs captured into it: what each capture made, in capture order, weakly (a
+    tensor the program dropped is memory CUDA's allocator may reuse, and nothing here keeps it alive)."""
+
+    def __init__(self):
+        self.made: list = []  # per capture, in order: weak references to the tensors it made
+
+    def poison_after(self, index: int) -> None:
+        """What a replay of the pool's `index`-th capture may overwrite: every live tensor a later capture made."""
+        with torch.inference_mode():  # an inference tensor is written only there; a normal one there too
+            for later in self.made[index + 1:]:
+                for ref in later:
+                    tensor = ref()
+                    if tensor is not None:
+                        tensor.fill_(_poison(tensor.dtype))
+
+
+def _poison(dtype):
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype is torch.bool:
+        return True
+    return -7777 if dtype.is_signed else 77
+
+
 class _Capture(TorchDispatchMode):
-    def __init__(self, ops: list):
+    def __init__(self, ops: list, made: list):
         super().__init__()
         self.ops = ops
+        self.made = made  # weak references to the tensors this capture made (fresh, or views of those)
+        self._storages: set = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -144,7 +179,19 @@ class _Capture(TorchDispatchMode):
             raise RuntimeError(f"emulated CUDA graph capture: {func} is not permitted while capturing (it reads the "
                                "device on the host or has a data-dependent output)")
         out = func(*args, **kwargs)
-        self.ops.append(_Op(func, args, kwargs, out))
+        op = _Op(func, args, kwargs, out)
+        self.ops.append(op)
+        for tensor in op.outputs:
+            # pool memory: a fresh tensor, or a view of one this capture made (a view of a tensor made outside the
+            # capture, the fixed input buffers, is not the pool's)
+            if not tensor.untyped_storage().nbytes():
+                continue
+            storage = _storage(tensor)
+            if op.kind == "copy":
+                self._storages.add(storage)
+            elif op.kind != "skip" or storage not in self._storages:
+                continue
+            self.made.append(weakref.ref(tensor))
         return out
 
 
@@ -155,11 +202,20 @@ class Graph:
         self.ops: list = []
         self._mode = None
         self._first_replay_done = False
+        self._pool = None  # the pool it was captured into, and its place in that pool's captures
+        self._index = None
 
     def capture_begin(self, pool=None, capture_error_mode=None) -> None:
         if self._mode is not None or self.ops:
             raise RuntimeError("emulated CUDA graph: captured twice")
-        self._mode = _Capture(self.ops)
+        # `pool`: another graph's `pool()` (shared memory, as `torch.cuda.graph(pool=...)`), or None for a new one
+        if pool is not None and not isinstance(pool, _Pool):
+            raise TypeError(f"emulated CUDA graph: pool={pool!r} is not an emulated graph's pool()")
+        self._pool = pool if pool is not None else _Pool()
+        made: list = []
+        self._index = len(self._pool.made)
+        self._pool.made.append(made)
+        self._mode = _Capture(self.ops, made)
         self._mode.__enter__()
 
     def capture_end(self) -> None:
@@ -174,7 +230,7 @@ class Graph:
             self.capture_end()
 
     def pool(self):
-        return None
+        return self._pool
 
     def replay(self) -> None:
         if self._mode is not None:
@@ -182,6 +238,7 @@ class Graph:
         if not self._first_replay_done:
             self._first_replay_done = True  # the capture ran the ops: that was this replay
             return
+        self._pool.poison_after(self._index)
         with torch.no_grad():
             for op in self.ops:
                 op()

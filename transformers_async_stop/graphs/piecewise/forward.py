@@ -195,6 +195,12 @@ class PiecewiseForward:
             return self._eager("another thread is inside generate()", inputs)
         recording, outputs = made
         graphs.pool = recording.pool
+        if self.role == "verify":
+            # the logits are in the pool's memory, which a replay of any recording captured before this one may
+            # overwrite (CUDA's allocator hands a later capture what an earlier one freed), kept or not: stock's loop
+            # keeps them as the round's scores, so the caller gets its own copy, as from every replay (issue 43,
+            # item 1: the recording not kept below returned its buffer, and the next round's replay overwrote it)
+            outputs = recording.output(cache_kwarg.get(inputs), fresh_logits=True)
         if watch is not None:
             why = self._unproven(key, watch)
             if why is not None:
@@ -206,9 +212,6 @@ class PiecewiseForward:
         graphs.recordings[key] = recording
         graphs.sizes = list(map(len, graphs.dicts))  # what transformers' own forward set on its modules while recorded
         _evict(graphs.recordings, key)
-        if self.role == "verify":
-            # the recording's logits buffer is the next replay's: the caller gets its own copy, as every replay's
-            outputs = recording.output(cache_kwarg.get(inputs), fresh_logits=True)
         return self._replayed(outputs)
 
     def _unproven(self, key, watch) -> str | None:
