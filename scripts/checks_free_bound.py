@@ -3,7 +3,7 @@
     python3 scripts/checks_free_bound.py [--reps 5] [--new-tokens 128] [--cases dynamic,draft,sample,lookup]
         [--layers 16] [--narrow]
 
-The per-step staleness checks (`PiecewiseForward._why_not_observed`, `ModelGraphs.changed`: a few hundred
+The per-step staleness checks (`WatchSet.why_eager`, `ModelGraphs.changed`: a few hundred
 microseconds per forward on an H200 host) are the part of the package's host work that no cut has brought to
 microseconds. This script measures what the targets would read with those two checks free: a "checks off" variant
 replaces them with stubs (nothing is ever found changed). That is wrong as soon as user code changes the model
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import round_host_cost as cases  # noqa: E402  (the cases of the per-stage table: the same models and kwargs)
 
 import transformers_async_stop as tas  # noqa: E402
-from transformers_async_stop.graphs.piecewise import forward, staleness  # noqa: E402
+from transformers_async_stop.graphs.piecewise import forward, proof, staleness  # noqa: E402
 
 TARGETS = {"dynamic": 1.25, "draft": 2.0, "sample": 0.4, "lookup": 2.0}
 
@@ -51,13 +51,13 @@ TARGETS = {"dynamic": 1.25, "draft": 2.0, "sample": 0.4, "lookup": 2.0}
 @contextlib.contextmanager
 def checks_off():
     """The two per-step checks as stubs that find nothing (measurement only: see the module docstring)."""
-    saved = (forward.PiecewiseForward._why_not_observed, staleness.ModelGraphs.changed)
-    forward.PiecewiseForward._why_not_observed = lambda self: None
+    saved = (proof.WatchSet.why_eager, staleness.ModelGraphs.changed)
+    proof.WatchSet.why_eager = lambda self: None
     staleness.ModelGraphs.changed = lambda self: False
     try:
         yield
     finally:
-        forward.PiecewiseForward._why_not_observed, staleness.ModelGraphs.changed = saved
+        proof.WatchSet.why_eager, staleness.ModelGraphs.changed = saved
 
 
 def _dynamic_case(layers, device, narrow):

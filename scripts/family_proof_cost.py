@@ -6,12 +6,12 @@ emulation:
 For a Llama shaped like Llama-3.2-1B by module count (16 layers, narrow: the proof's cost depends on the code that
 runs and the modules, not the widths), three ways of taking the graphed decode forward:
 - `hand-read`: Llama as today, proven by its digested sources (`targets/piecewise_rows.py`);
-- `found`: the same model with Llama left out of the hand-read families, so it is found by `auto/discover.py` and
-  proven per recording (`auto/proof.py`: its sources are the read ones, so one recording suffices);
+- `found`: the same model with Llama left out of the hand-read families, so it is found by `proof/discover.py` and
+  proven per recording (`proof/verdict.py`: its sources are the read ones, so one recording suffices);
 - `found+checked`: Olmo of the same shape (its attention and layer norm differ from the read code: proven by the
   rules, and confirmed by a second recording at the next position).
 For each: the first call's recording time (every `graphs.record` call, the watch and the verdict included), the
-verdict's own time, and the per-step host time of the checks before each replay (`_why_not_observed`, `_step`,
+verdict's own time, and the per-step host time of the checks before each replay (`WatchSet.why_eager`, `_step`,
 `ModelGraphs.changed`), median over the runs. Not a test: no assertion.
 """
 
@@ -32,8 +32,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import transformers_async_stop as tas  # noqa: E402
-from transformers_async_stop.graphs.piecewise import eligibility, forward, graphs  # noqa: E402
-from transformers_async_stop.graphs.piecewise.auto import proof  # noqa: E402
+from transformers_async_stop.graphs.piecewise import forward, graphs, proof  # noqa: E402
 from transformers_async_stop.testing.emulation import emulated  # noqa: E402
 
 TIMES: dict = {}
@@ -64,12 +63,12 @@ def measure(label, model, steps, runs, families=None):
                   pad_token_id=0, async_stopping_criteria=True)
     patches = [mock.patch.object(graphs, "record", _timed("record", graphs.record)),
                mock.patch.object(forward, "record", _timed("record", forward.record)),
-               mock.patch.object(proof, "why_unproven", _timed("verdict", proof.why_unproven))]
-    checks = [(forward.PiecewiseForward, "_why_not_observed"), (forward.PiecewiseForward, "_step"),
+               mock.patch.object(proof, "judge_recording", _timed("verdict", proof.judge_recording))]
+    checks = [(proof.WatchSet, "why_eager"), (forward.PiecewiseForward, "_step"),
               (forward.ModelGraphs, "changed")]
     patches += [mock.patch.object(owner, name, _timed("checks", getattr(owner, name))) for owner, name in checks]
     if families is not None:
-        patches.append(mock.patch.dict(eligibility.FAMILIES, families, clear=True))
+        patches.append(mock.patch.dict(proof.FAMILIES, families, clear=True))
     for patch in patches:
         patch.start()
     try:
@@ -107,7 +106,7 @@ def main() -> None:
     print(f"{args.layers} layers, {args.steps - 1} decode steps, torch {torch.__version__}, transformers "
           f"{transformers.__version__}, CPU (emulated graphs)")
     print(f"{'proof':16s} {'records':>8s} {'record ms':>12s} {'verdict ms':>11s} {'checks us/step':>14s}   path")
-    hand_read = dict(eligibility.FAMILIES)
+    hand_read = dict(proof.FAMILIES)
     found = {name: family for name, family in hand_read.items() if name != "LlamaModel"}
     measure("hand-read", _model("llama", args.layers), args.steps, args.runs)
     measure("found", _model("llama", args.layers), args.steps, args.runs, families=found)

@@ -31,9 +31,9 @@ from transformers_async_stop.bench.cases import (  # noqa: E402
     llama_1b_config,
     tiny_llama_config,
 )
-from transformers_async_stop.graphs.piecewise import eligibility, forward  # noqa: E402
+from transformers_async_stop.graphs.piecewise import forward, proof  # noqa: E402
 
-ENV = eligibility.PIECEWISE_ENV
+ENV = proof.PIECEWISE_ENV
 
 
 def build(config, dtype):

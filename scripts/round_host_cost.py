@@ -58,7 +58,7 @@ from transformers_async_stop import generation as tas_generation  # noqa: E402
 from transformers_async_stop.bench.assisted import DEEP_LAYER_SCALE, DRAFT_LAYERS, make_draft  # noqa: E402
 from transformers_async_stop.control import controller  # noqa: E402
 from transformers_async_stop.graphs import piecewise  # noqa: E402
-from transformers_async_stop.graphs.piecewise import eligibility, forward, graphs, proven, staleness, steps  # noqa: E402
+from transformers_async_stop.graphs.piecewise import forward, graphs, proof, staleness, steps  # noqa: E402
 from transformers_async_stop.loops import dynamic_loop  # noqa: E402
 from transformers_async_stop.loops.assisted import acceptance, acceptance_graph, draft, lookup  # noqa: E402
 from transformers_async_stop.loops.assisted import loop as assisted_loop  # noqa: E402
@@ -232,15 +232,16 @@ def _flag_only(w: Wrapped) -> None:
     w.wrap(controller.RngGuard, "snapshot", lambda *a, **k: "draft ctl.record: RngGuard.snapshot"
            if _inside(*DRAFTING) else None)
     # the piecewise forward: proof, watch, staleness, replay
-    w.wrap(eligibility, "why_not_model", lambda *a, **k: f"proof: why_not_model[{_proof_site()}]", everywhere=True)
-    for module, name in ((proven, "why_unread"), (proven, "why_foreign_functions"), (eligibility, "why_not_tensors"),
-                         (eligibility, "why_observed"), (eligibility, "why_rebound"), (eligibility, "watched"),
-                         (eligibility, "watched_functions")):
+    w.wrap(proof.admission, "why_not_model", lambda *a, **k: f"proof: why_not_model[{_proof_site()}]",
+           everywhere=True)
+    for module, name in ((proof.default_deny, "why_unread"), (proof.default_deny, "why_foreign_functions"),
+                         (proof.admission, "why_not_tensors"), (proof.admission, "why_observed"),
+                         (proof.names, "why_rebound"), (proof.names, "watched"), (proof.names, "watched_functions")):
         w.wrap(module, name, _sub_label(name), everywhere=True)
     w.wrap(forward.PiecewiseForward, "__init__", lambda self, *a, role="decode", **k:
            f"PiecewiseForward.__init__ (_watch)[{role}]")
     w.wrap(forward.PiecewiseForward, "__call__", _pf_call_label)
-    w.wrap(forward.PiecewiseForward, "_why_not_observed", _role_label("staleness: _why_not_observed"))
+    w.wrap(proof.WatchSet, "why_eager", _role_label("staleness: WatchSet.why_eager"))
     w.wrap(forward.PiecewiseForward, "_step", _role_label("staleness: _step"))
     w.wrap(staleness.ModelGraphs, "changed", lambda *a, **k: f"staleness: ModelGraphs.changed[{_enclosing_role()}]")
     w.wrap(steps, "alone", lambda *a, **k: f"staleness: steps.alone[{_enclosing_role()}]")

@@ -16,7 +16,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility
+from transformers_async_stop.graphs.piecewise import proof
 from transformers_async_stop.loops.assisted import acceptance_graph
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
@@ -47,7 +47,7 @@ class _Cases:
     DEVICE = "cuda"
 
     def setUp(self):
-        self.enterContext(mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "1"}))
+        self.enterContext(mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: "1"}))
         self.target = build("llama", device=self.DEVICE)
         self.helper = build("llama", seed=1, device=self.DEVICE)
         # drafts of one length: every round after the first two replays (a confidence threshold or the "heuristic"

@@ -14,7 +14,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility
+from transformers_async_stop.graphs.piecewise import proof
 from transformers_async_stop.undo import module_state
 from test_piecewise import _generate
 
@@ -38,7 +38,7 @@ class AtLength(LogitsProcessor):
 @unittest.skipUnless(RELEASES, "transformers 5.17-5.24")
 class DraftHookWatchAcrossRounds(unittest.TestCase):
     def setUp(self):
-        self.enterContext(mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "1"}))
+        self.enterContext(mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: "1"}))
         self.ids = prompt(batch=1)[0]
         self.target = build("llama")
         # an EOS id the draft proposes now and then: its loop stops on EOS, one token late with the flag

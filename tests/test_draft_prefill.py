@@ -26,14 +26,14 @@ from parameterized import parameterized
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility, forward
+from transformers_async_stop.graphs.piecewise import forward, proof
 from transformers_async_stop.loops.dynamic_loop import prefill
 from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.release_checks.targets import SHORTCUTS, present_in
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise_draft import _check_against_stock
 
-ON = {eligibility.PIECEWISE_ENV: "1"}
+ON = {proof.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases (the draft's loop)
 CUDA = torch.cuda.is_available() and RELEASES
 # the form of `_prefill` each release has (`prefill.FORMS`; 5.9-5.16 have 5.17's, and no dynamic-cache loop)

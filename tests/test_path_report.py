@@ -17,7 +17,7 @@ from transformers_async_stop import CallPath, StockPathWarning, last_path
 from models import PAD, TRANSFORMERS_VERSION, build, prompt
 from transformers_async_stop.loops.assisted.loop import installed_port
 from transformers_async_stop.testing.emulation import emulated
-from transformers_async_stop.graphs.piecewise import eligibility
+from transformers_async_stop.graphs.piecewise import proof
 
 LOOP_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
 PIECEWISE_RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the piecewise forward's releases
@@ -197,7 +197,7 @@ class NeverStopHookAt(StoppingCriteria):
 
 
 @unittest.skipUnless(PIECEWISE_RELEASES, "the piecewise forward's releases (5.17-5.24)")
-@mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "1"})
+@mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: "1"})
 class TheForwardIsNamed(unittest.TestCase):
     """describe() and the INFO line say whether the dynamic loop's decode forward replayed from graphs or ran eagerly
     (CUDA graphs emulated on the CPU, `testing/emulation.py`)."""

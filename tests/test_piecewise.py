@@ -14,6 +14,7 @@ aside, equal to stock.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import gc
@@ -32,10 +33,10 @@ from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt,
 from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.sync_free import masking
 from transformers_async_stop.graphs import piecewise
-from transformers_async_stop.graphs.piecewise import eligibility, forward, steps
+from transformers_async_stop.graphs.piecewise import forward, proof, steps
 from transformers_async_stop.testing.emulation import emulated
 
-ON = {eligibility.PIECEWISE_ENV: "1"}
+ON = {proof.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
 CUDA = torch.cuda.is_available() and RELEASES
 
@@ -63,7 +64,7 @@ def on_the_cpu(family="llama"):
 
 def why(model, model_forward=None):
     with torch.no_grad():
-        return eligibility.why_not_model(model, model_forward or model.__call__)
+        return proof.why_not_model(model, model_forward or model.__call__)
 
 
 @mock.patch.dict(os.environ, ON)
@@ -75,8 +76,8 @@ class StepsAside(unittest.TestCase):
         self.assertEqual(why(build_any(family)), on_the_cpu(family))
 
     def test_the_environment_switch_turns_it_off(self):
-        with mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "0"}):
-            self.assertEqual(why(build("llama")), f"{eligibility.PIECEWISE_ENV}=0")
+        with mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: "0"}):
+            self.assertEqual(why(build("llama")), f"{proof.PIECEWISE_ENV}=0")
 
     def test_a_causal_lm_class_outside_transformers_steps_aside(self):
         from transformers import OPTConfig, OPTForCausalLM
@@ -194,52 +195,57 @@ class StepsAside(unittest.TestCase):
         model = build("llama")
         why(model)
         call = forward.PiecewiseForward(model, model.__call__, None)
-        self.assertIsNone(call._why_not_observed())
+        self.assertIsNone(call.watching.why_eager())
         original = modeling.LlamaForCausalLM.forward
         modeling.LlamaForCausalLM.forward = functools.wraps(original)(lambda *args, **kwargs: original(*args, **kwargs))
         try:
-            self.assertEqual(call._why_not_observed(), "LlamaForCausalLM.forward was replaced")
+            self.assertEqual(call.watching.why_eager(), "LlamaForCausalLM.forward was replaced")
         finally:
             modeling.LlamaForCausalLM.forward = original
-        self.assertIsNone(call._why_not_observed())
+        self.assertIsNone(call.watching.why_eager())
 
     def test_a_hook_added_mid_call_is_seen_before_the_next_replay(self):
         model = build("llama")
         call = forward.PiecewiseForward(model, model.__call__, None)
         handle = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda *args: None)
         try:
-            self.assertEqual(call._why_not_observed(), "a hook was added")
+            self.assertEqual(call.watching.why_eager(), "a hook was added")
         finally:
             handle.remove()
-        self.assertIsNone(call._why_not_observed())
+        self.assertIsNone(call.watching.why_eager())
 
     def test_an_unread_release_steps_aside(self):
-        with mock.patch.object(eligibility, "matches", lambda name: False):
+        with _matches(lambda name: False):
             self.assertEqual(why(build("llama")), "transformers' llama sources are not the ones read")
 
     def test_a_family_found_on_a_release_whose_shared_sources_are_unread_steps_aside(self):
         from family_models import build_family
 
-        matches = eligibility.matches
-        with mock.patch.object(eligibility, "matches", lambda name: name != "piecewise shared sources" and
-                               matches(name)):
+        matches = proof.admission.matches
+        with _matches(lambda name: name != "piecewise shared sources" and matches(name)):
             self.assertEqual(why(build_family("olmo")),
                              "transformers' shared sources (masks, cache updates) are not the ones read")
 
     @unittest.skipUnless(RELEASES, "the shared sources are read on 5.17-5.24")
     def test_a_read_familys_sources_drifted_alone_are_proven_per_recording(self):
-        # a newer release that changed only Llama's own sources: found and proven per recording (auto/proof.py)
-        matches = eligibility.matches
-        with mock.patch.object(eligibility, "matches", lambda name: name != "piecewise forward (llama)" and
-                               matches(name)):
+        # a newer release that changed only Llama's own sources: found and proven per recording (proof/verdict.py)
+        matches = proof.admission.matches
+        with _matches(lambda name: name != "piecewise forward (llama)" and matches(name)):
             model = build("llama")
             self.assertEqual(why(model), "not CUDA (cpu)")
-            self.assertTrue(eligibility.family_of(model).auto)
+            self.assertTrue(proof.family_of(model).auto)
+
+
+@contextlib.contextmanager
+def _matches(answer):
+    """`verified.matches` answered by `answer` where the proof's first stage asks it (the family, the admission)."""
+    with mock.patch.object(proof.family, "matches", answer), mock.patch.object(proof.admission, "matches", answer):
+        yield
 
 
 def _why_with_grad(model):
     with torch.enable_grad():
-        return eligibility.why_not_model(model, model.__call__)
+        return proof.why_not_model(model, model.__call__)
 
 
 @unittest.skipUnless(RELEASES, "the dynamic-cache loop runs on transformers 5.17-5.24")
@@ -257,8 +263,8 @@ class ReportedOnTheCpu(unittest.TestCase):
         self.assertEqual(tas.last_path().forward, "eager: not CUDA (cpu)")
 
     def test_off_by_default_says_how_to_turn_it_on(self):
-        with mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: ""}), \
-                mock.patch.object(eligibility, "DEFAULT_ON", False):
+        with mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: ""}), \
+                mock.patch.object(proof.admission, "DEFAULT_ON", False):
             self.assertIn("=1 turns it on", why(build("llama")))
 
     def test_an_assistant_on_the_cpu_keeps_its_eager_forward(self):
@@ -310,7 +316,7 @@ class Staleness(unittest.TestCase):
     def setUp(self):
         self.model = build("llama")
         self.graphs = forward.ModelGraphs()
-        self.graphs.snapshot(self.model)
+        proof.hand_over(self.graphs, self.model)
 
     def test_an_unchanged_model_is_not_stale(self):
         self.assertFalse(self.graphs.changed())
@@ -573,9 +579,9 @@ class _GraphedForwardCases:
     def test_the_switch_off_keeps_the_eager_forward(self):
         model = build("llama", device=self.DEVICE)
         ids, mask = prompt(batch=1, device=self.DEVICE)
-        with mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "0"}):
+        with mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: "0"}):
             _check_against_stock(self, model, ids, mask, max_new_tokens=5, do_sample=False, eos_token_id=None)
-        self.assertEqual(tas.last_path().forward, f"eager: {eligibility.PIECEWISE_ENV}=0")
+        self.assertEqual(tas.last_path().forward, f"eager: {proof.PIECEWISE_ENV}=0")
 
 
 @unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.24")

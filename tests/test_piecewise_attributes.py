@@ -16,7 +16,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility, forward
+from transformers_async_stop.graphs.piecewise import forward, proof
 from transformers_async_stop.testing.emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
@@ -48,7 +48,7 @@ def _generate(model, ids, mask, flag, **kwargs):
 
 
 @unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
-@mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "1"})
+@mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: "1"})
 class RebindingAnAttributeTheForwardReads(unittest.TestCase):
     def setUp(self):
         self.enterContext(emulated())

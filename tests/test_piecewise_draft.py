@@ -22,11 +22,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
 from transformers_async_stop.graphs import piecewise
-from transformers_async_stop.graphs.piecewise import eligibility, forward, graphs
+from transformers_async_stop.graphs.piecewise import forward, graphs, proof
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
 
-ON = {eligibility.PIECEWISE_ENV: "1"}
+ON = {proof.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases (the draft's loop)
 CUDA = torch.cuda.is_available() and RELEASES
 
@@ -87,7 +87,7 @@ class DraftOnTheCpu(unittest.TestCase):
             with mock.patch.object(forward.PiecewiseForward, "_step", noted), \
                     mock.patch.object(forward, "record", refused), \
                     mock.patch.object(piecewise, "why_not_model", lambda model, model_forward: None), \
-                    mock.patch.object(forward.eligibility, "why_not_model", lambda model, model_forward: None):
+                    mock.patch.object(forward.proof, "why_not_model", lambda model, model_forward: None):
                 _check_against_stock(self, self.target, self.helper, self.ids, max_new_tokens=10, do_sample=sample)
             self.assertEqual(tas.last_path().forward, "draft eager: not recordable: refused by the test")
             self.assertTrue(verdicts)
@@ -159,7 +159,7 @@ class _GraphedDraftCases:
 
     def test_a_draft_recorded_and_unchanged_is_proven_once_per_call_not_per_round(self):
         # each round's assistant generate() is a call: one whose recordings' snapshot is unchanged asks only what a
-        # call can change (`eligibility.why_not_again`, issue 38); a change between two calls is proven again
+        # call can change (`proof.why_not_again`, issue 38); a change between two calls is proven again
         target, helper = build("llama", seed=0, device=self.DEVICE), build("llama", seed=1, device=self.DEVICE)
         ids = prompt(batch=1, device=self.DEVICE)[0]
         _check_against_stock(self, target, helper, ids, max_new_tokens=10, do_sample=False, eos_token_id=None)

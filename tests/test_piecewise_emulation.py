@@ -15,7 +15,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, build, prompt
-from transformers_async_stop.graphs.piecewise import eligibility
+from transformers_async_stop.graphs.piecewise import proof
 from transformers_async_stop.testing.emulation import Graph, active, emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
@@ -133,7 +133,7 @@ class EmulatedGraph(unittest.TestCase):
 
 
 @unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
-@mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "1"})
+@mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: "1"})
 class EmulatedPiecewiseForward(unittest.TestCase):
     def test_the_models_python_runs_only_for_the_prefill_and_the_recording(self):
         model = build("llama")

@@ -25,11 +25,11 @@ from transformers.utils import logging as hf_logging
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, build, prompt, stock
 from transformers_async_stop.release_checks import cache_kwarg
-from transformers_async_stop.graphs.piecewise import eligibility
+from transformers_async_stop.graphs.piecewise import proof
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _check_against_stock, _generate  # the same generate-and-draw and comparison
 
-ON = {eligibility.PIECEWISE_ENV: "1"}
+ON = {proof.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
 CUDA = torch.cuda.is_available() and RELEASES
 GRAPHED = ("phi3", "gpt2", "gemma3")  # the families whose decode forward is replayed (Gemma 3: full attention only)
@@ -57,7 +57,7 @@ def _build(family, device="cpu", dtype=torch.float32, **overrides):
 
 def _why(model):
     with torch.no_grad():
-        return eligibility.why_not_model(model, model.__call__)
+        return proof.why_not_model(model, model.__call__)
 
 
 class _FamilyCases:
@@ -234,7 +234,7 @@ class FamiliesStepAside(unittest.TestCase):
         self.assertEqual(_why(model), "rope type 'dynamic' has per-length state")
 
     def test_gemma2_steps_aside_for_its_eager_attention(self):
-        # transformers refuses SDPA for it (attention logit soft-capping): found (`auto/discover.py`), but eager
+        # transformers refuses SDPA for it (attention logit soft-capping): found (`proof/discover.py`), but eager
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
         config = Gemma2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,

@@ -1,5 +1,5 @@
 """The graphed decode forward of the families no one read by hand (issue 36): found from the model
-(`graphs/piecewise/auto/discover.py`) and proven per recording from what it ran (`auto/proof.py`).
+(`graphs/piecewise/proof/discover.py`) and proven per recording from what it ran (`proof/verdict.py`).
 
 Every family of the table (tests/family_models.py) on CUDA (skipped without it) and on the CPU with the graphs
 emulated: bit-exact against unpatched transformers (sequences, scores, logits, the returned cache, the RNG state after
@@ -23,7 +23,9 @@ import transformers_async_stop as tas
 from family_models import EAGER, FAMILIES, build_family, sdpa_supported
 from models import TRANSFORMERS_VERSION, prompt
 from test_piecewise import _check_against_stock
-from transformers_async_stop.graphs.piecewise.auto import normal_form, proof, rules, run_watch
+from transformers_async_stop.graphs import piecewise
+from transformers_async_stop.graphs.piecewise.proof import normal_form, rules, verdict
+from transformers_async_stop.graphs.piecewise.proof.watch import RunWatch
 from transformers_async_stop.testing.emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
@@ -126,7 +128,7 @@ def _all_lines(node) -> set:
 
 
 class TheRulesRefuseWhatAReplayWouldBakeIn(unittest.TestCase):
-    """`auto/rules.py` on functions that ran every line."""
+    """`proof/rules.py` on functions that ran every line."""
 
     CASES = {
         "reads 'get_seq_length' on the host (a cache's length)": "def f(x, past_key_values):\n"
@@ -178,7 +180,7 @@ class TheRulesRefuseWhatAReplayWouldBakeIn(unittest.TestCase):
 
 
 class ModularCopiesAreTheReadCode(unittest.TestCase):
-    """`auto/normal_form.py`: a family's copy of read code, renamed, has the read code's normal digest."""
+    """`proof/normal_form.py`: a family's copy of read code, renamed, has the read code's normal digest."""
 
     @unittest.skipUnless(RELEASES, "transformers 5.17-5.24")
     def test_olmos_decoder_layer_is_llamas_and_its_attention_is_not(self):
@@ -204,7 +206,7 @@ class ModularCopiesAreTheReadCode(unittest.TestCase):
 
 @unittest.skipUnless(RELEASES, "transformers 5.17-5.24")
 class TheProofOfARecording(unittest.TestCase):
-    """`auto/proof.py` and its use by the piecewise forward (CPU, emulated)."""
+    """`proof/verdict.py` and its use by the piecewise forward (CPU, emulated)."""
 
     def setUp(self):
         self.enterContext(emulated())
@@ -217,15 +219,15 @@ class TheProofOfARecording(unittest.TestCase):
     def test_ops_that_differ_between_two_positions_keep_the_forward_eager(self):
         model, ids, mask = self._olmo()
         runs = []
-        original = proof.why_unproven
+        original = piecewise.proof.judge_recording
 
-        def judged(watch, family, read):
+        def judged(watch, family):
             runs.append(watch)
             if len(runs) == 2:  # the second recording ran one op more: a decision that moved with the position
-                watch.ops.append(("aten::mul.Tensor", ("a scalar that moved",), ()))
-            return original(watch, family, read)
+                watch.ops.append(("aten.mul.Tensor", ("a scalar that moved",), ()))
+            return original(watch, family)
 
-        with mock.patch.object(proof, "why_unproven", judged):
+        with mock.patch.object(piecewise.proof, "judge_recording", judged):
             _check_against_stock(self, model, ids, mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
         self.assertEqual(len(runs), 2)
         self.assertIn("two positions ran different ops", tas.last_path().forward)
@@ -233,14 +235,14 @@ class TheProofOfARecording(unittest.TestCase):
     def test_a_family_that_ran_checked_code_replays_once_confirmed(self):
         model, ids, mask = self._olmo()
         verdicts = []
-        original = proof.why_unproven
+        original = piecewise.proof.judge_recording
 
-        def judged(watch, family, read):
-            verdict = original(watch, family, read)
-            verdicts.append(verdict)
-            return verdict
+        def judged(watch, family):
+            given = original(watch, family)
+            verdicts.append(given)
+            return given
 
-        with mock.patch.object(proof, "why_unproven", judged):
+        with mock.patch.object(piecewise.proof, "judge_recording", judged):
             _check_against_stock(self, model, ids, mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
         self.assertEqual(len(verdicts), 2, "a first recording, then the one that confirms it")
         self.assertTrue(verdicts[0].checked, "Olmo's attention and layer norm differ from the read code")
@@ -279,13 +281,13 @@ class TheProofOfARecording(unittest.TestCase):
         self.assertIn("a trace function is set", tas.last_path().forward)
 
     def test_an_op_between_a_cache_update_and_its_attention_refuses_the_recording(self):
-        watch = run_watch.RunWatch(trace_ops=True)
+        watch = RunWatch(trace_ops=True)
         with watch:
             x = torch.ones(2)
             watch.between = True
             x = x * 2  # what a query scaled after the cache update would be
-        verdict = proof.why_unproven(watch, mock.Mock(causal_lm="OlmoForCausalLM", module="m"), frozenset())
-        self.assertIn("ran between a cache update and its attention", verdict.why)
+        judged = verdict.judge(watch, mock.Mock(causal_lm="OlmoForCausalLM", module="m"), frozenset())
+        self.assertIn("ran between a cache update and its attention", judged.why)
 
     def test_the_names_two_recordings_ran_are_watched_once(self):
         from transformers_async_stop.graphs.piecewise.forward import graphs_of

@@ -193,7 +193,7 @@ class ExceptionInsideTheRecordingForward(unittest.TestCase):
 class PythonTheReplaySkips(unittest.TestCase):
     """HOLE B: a torch function the model's modules call from Python, rebound by the user between two calls
     (`torch.nn.functional.silu`, which `nn.SiLU.forward`, Llama's MLP activation, looks up per call): stock's next
-    call runs the new one; the replays of the recording made before run the old kernels. (`eligibility.watched`
+    call runs the new one; the replays of the recording made before run the old kernels. (`proof.names.watched`
     covers the modeling module's functions and the module classes' forwards, not the torch functions they call.)
     B2: the same for a tensor operator (`Tensor.__add__`), which no name in the forward's code looks up.
 
@@ -270,7 +270,7 @@ class UserMaskFunction(unittest.TestCase):
     public way to change masking) is what stock's `create_causal_mask` calls at every decode step; the piecewise
     forward never calls it (the recording hands the forward a 4D sentinel, and `_attention_mask` gives an unpadded
     batch's replays no mask at all, as stock's own sdpa mask function would), so the replayed steps attend where the
-    user's mask forbids. (`eligibility.watched` covers `create_causal_mask` itself, not the mask registry.) The flag's
+    user's mask forbids. (`proof.names.watched` covers `create_causal_mask` itself, not the mask registry.) The flag's
     eager forward equals stock here, and a padded batch steps aside."""
 
     def test_a_registered_sdpa_mask_function_shapes_every_decode_step(self):
@@ -317,7 +317,7 @@ class SlidingWindowSetMidCall(unittest.TestCase):
     """HOLE F: Mistral's (and Phi-3's) `config.sliding_window` set by a criterion mid-call (None -> 3): stock's next decode steps
     mask all but the last 3 positions (`create_causal_mask` reads the config per step). The rebound config field
     makes the piecewise recordings stale, but the step records again and replays with `_attention_mask`'s decision
-    (no mask for an unpadded batch): no window. The sliding-window refusal (`eligibility.why_not_model`) runs once per
+    (no mask for an unpadded batch): no window. The sliding-window refusal (`proof.why_not_model`) runs once per
     call only. (Set between calls, the next call steps aside, equal to stock; the flag's eager forward equals stock.)"""
 
     def test_a_sliding_window_set_by_a_criterion_applies_to_the_later_steps(self):

@@ -24,12 +24,12 @@ from parameterized import parameterized
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, VOCAB, assert_same, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility, masks, steps
+from transformers_async_stop.graphs.piecewise import masks, proof, steps
 from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
 
-ON = {eligibility.PIECEWISE_ENV: "1"}
+ON = {proof.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
 CUDA = torch.cuda.is_available() and RELEASES
 PADDED_EAGER = f"eager: {steps.SLIDING_PADDED}"
@@ -42,7 +42,7 @@ FAMILIES = {
     "ministral": ("ministral", {"sliding_window": 4}),
     "exaone4": ("exaone4", {"num_hidden_layers": 4, "sliding_window": 4}),  # 3 sliding layers, then a full one
 }
-# families no one read by hand: graphed once the automatic family proof (issue 36, the lead's `auto/`) proves them
+# families no one read by hand: graphed once the automatic family proof (issue 36, `proof/`) proves them
 AUTO = ("ministral", "exaone4")
 
 
@@ -82,7 +82,7 @@ def _check(test, model, ids, mask, **kwargs):
 
 
 def _skip_unproven(test, name):
-    """Ministral and Exaone 4 are proven by the automatic family proof (issue 36, `piecewise/auto/`), not by hand:
+    """Ministral and Exaone 4 are proven by the automatic family proof (issue 36, `piecewise/proof/`), not by hand:
     where it does not (yet) prove them, the equality above still held; the path's check is skipped."""
     forward = tas.last_path().forward or ""
     if name in AUTO and forward.startswith(("eager: model family", "eager: not proven")):
@@ -219,9 +219,9 @@ class SlidingStepsAside(unittest.TestCase):
         for name in FAMILIES:
             model = _build(name)
             with torch.no_grad():
-                why = eligibility.why_not_model(model, model.__call__)
+                why = proof.why_not_model(model, model.__call__)
             if name in AUTO and why is not None and why.startswith("model family"):
-                continue  # proven per recording by the automatic family proof (the lead's `auto/`), or not yet
+                continue  # proven per recording by the automatic family proof (`proof/`), or not yet
             self.assertIn(why, ("not CUDA (cpu)", None), name)
 
     def test_a_sliding_layer_whose_window_is_not_the_configs_stays_eager(self):
@@ -236,7 +236,7 @@ class SlidingStepsAside(unittest.TestCase):
         model = _build("gemma3")
         model.config.layer_types = ["chunked_attention"] * 6
         with torch.no_grad():
-            self.assertEqual(eligibility.why_not_model(model, model.__call__),
+            self.assertEqual(proof.why_not_model(model, model.__call__),
                              "layers other than full or sliding-window attention")
 
 

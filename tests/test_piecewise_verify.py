@@ -27,13 +27,13 @@ from parameterized import parameterized
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
 from transformers_async_stop.graphs import piecewise
-from transformers_async_stop.graphs.piecewise import eligibility, forward, graphs, masks
+from transformers_async_stop.graphs.piecewise import forward, graphs, masks, proof
 from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
 from test_piecewise_families import _build
 
-ON = {eligibility.PIECEWISE_ENV: "1"}
+ON = {proof.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the releases of the package's dynamic-cache loop
 CUDA = torch.cuda.is_available() and RELEASES
 FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gpt2", "gemma3")
@@ -322,7 +322,7 @@ class VerifyOnTheCpu(unittest.TestCase):
                     mock.patch.object(forward, "record", refused), \
                     mock.patch.object(forward.ModelGraphs, "sighting", lambda self, key: 2), \
                     mock.patch.object(piecewise, "why_not_model", lambda model, model_forward: None), \
-                    mock.patch.object(forward.eligibility, "why_not_model", lambda model, model_forward: None):
+                    mock.patch.object(forward.proof, "why_not_model", lambda model, model_forward: None):
                 _check_against_stock(self, self.target, self.ids, max_new_tokens=20, do_sample=False,
                                      eos_token_id=None, **kwargs)
             self.assertEqual(tas.last_path().verify, "eager: not recordable: refused by the test")

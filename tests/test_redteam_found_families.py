@@ -128,7 +128,7 @@ class RedTeamFoundFamilies(unittest.TestCase):
         self._same(*self._against_stock(model, lambda: setattr(functional, "grouped_mm", doubled),
                                         lambda: setattr(functional, "grouped_mm", grouped_mm)))
 
-    # HOLE 3: `run_watch.kind_of` takes every file name in angle brackets as "generated" (dataclasses' `__init__`)
+    # HOLE 3: `proof.watch.kind_of` takes every file name in angle brackets as "generated" (dataclasses' `__init__`)
     # and never as foreign: a user's function compiled from a string (`exec`, `python -c`, the IPython terminal's
     # `<ipython-input-...>`, doctests) runs in the recorded forward unseen. Here a stateful experts function (its
     # scale changes at its 14th call) registered before the call: from a file it is refused ("code the package has

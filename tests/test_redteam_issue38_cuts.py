@@ -3,7 +3,7 @@ transformers (`models.stock()`), or asserts the verdict the package must reach. 
 docs/red-team/2026-11-28-issue38-cuts.md.
 
 1. `ModelGraphs.same_instances()` in place of the per-call walk of every module's `__dict__`
-   (graphs/piecewise/staleness.py, eligibility.why_not_again);
+   (graphs/piecewise/staleness.py, proof.why_not_again);
 2. `verified.matches` comparing the lookups that resolved a shortcut's sources (release_checks/verified.py);
 3. the greedy acceptance of an assisted round replayed from one CUDA graph per width
    (loops/assisted/acceptance_graph.py).
@@ -25,7 +25,7 @@ import torch
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility, forward, proven
+from transformers_async_stop.graphs.piecewise import forward, proof
 from transformers_async_stop.release_checks import verified
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
@@ -71,7 +71,7 @@ def _assert_equal_to_stock(test, model, ids, mask, **kwargs):
 class SameInstancesCut(unittest.TestCase):
     def setUp(self):
         self.enterContext(emulated())
-        self.enterContext(mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "1"}))
+        self.enterContext(mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: "1"}))
         self.ids, self.mask = prompt(batch=1)
 
     def _recorded(self, model=None):
@@ -170,7 +170,7 @@ class SameInstancesCut(unittest.TestCase):
         table["mlp"] = Doubler(layer._modules["mlp"])
         self.addCleanup(table.update, {"_is_full_backward_hook": saved})
         self.addCleanup(table.pop, "mlp")
-        with mock.patch.object(proven, "why_instances", wraps=proven.why_instances) as walked:
+        with mock.patch.object(proof.default_deny, "why_instances", wraps=proof.default_deny.why_instances) as walked:
             _assert_equal_to_stock(self, model, self.ids, self.mask, **_KW)
         self.assertGreaterEqual(walked.call_count, 1)
 
@@ -332,7 +332,7 @@ REPEATS = [[3, 4, 5, 6, 3, 4, 5, 7, 3, 4, 5, 6, 3, 4]]
 class AcceptanceGraphCut(unittest.TestCase):
     def setUp(self):
         self.enterContext(emulated())
-        self.enterContext(mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "1"}))
+        self.enterContext(mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: "1"}))
         self.target = build("llama")
         self.helper = build("llama", seed=1)
         self.ids = prompt(batch=1)[0]

@@ -1,8 +1,8 @@
 """Red team of "a model recorded and unchanged is proven once, not per call" (5869d88, issue 38) and of the auto proof
 fixes (0707278, 257e92b): docs/red-team/2026-11-28-proof-once.md.
 
-`forward_for` now skips `eligibility.why_not_model` for a model with recordings whose snapshot is unchanged
-(`ModelGraphs.changed()` False) and asks only `eligibility.why_not_again`; the per-step watch lists are the previous
+`forward_for` now skips `proof.why_not_model` for a model with recordings whose snapshot is unchanged
+(`ModelGraphs.changed()` False) and asks only `proof.why_not_again`; the per-step watch lists are the previous
 call's. Each case: a tiny model on the CPU with the graphs emulated, recorded by two calls, then changed between calls,
 then the flag against unpatched stock (`models.stock()`). The tests marked `# HOLE n` failed before their fix (the flag
 replayed what stock no longer computes, where the full proof refuses the model); the others are attempts that held.
@@ -23,19 +23,19 @@ from transformers import LogitsProcessorList
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
 from transformers_async_stop.graphs import piecewise
-from transformers_async_stop.graphs.piecewise import eligibility, forward
+from transformers_async_stop.graphs.piecewise import forward, proof
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
 from test_redteam_found_families import _AtStep  # on the target: between two assisted rounds
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
-ON = {eligibility.PIECEWISE_ENV: "1"}
+ON = {proof.PIECEWISE_ENV: "1"}
 _KW = dict(max_new_tokens=8, do_sample=False, eos_token_id=None)
 
 
 def _full_proof(model):
     with torch.no_grad():
-        return eligibility.why_not_model(model, model.__call__)
+        return proof.why_not_model(model, model.__call__)
 
 
 class _Base(unittest.TestCase):
@@ -66,7 +66,7 @@ class _Base(unittest.TestCase):
 class RedTeamProofOnce(_Base):
     # HOLE 1: an attribute newly set on a module's class between calls. `why_not_model` refuses it
     # (`proven._why_class`: `_NOT_TRANSFORMERS` on a transformers class, or any class attribute that is not transformers'
-    # code, red team R5b), but the per-step rebound list (`eligibility.watched`) holds only the (class, name) pairs that
+    # code, red team R5b), but the per-step rebound list (`proof.names.watched`) holds only the (class, name) pairs that
     # existed when the lists were made (forward, __call__, the class's own transformers methods), the snapshot compares
     # only `torch.nn.Module`'s internals: `LlamaMLP._call_impl = f` (run by every stock call of the module through
     # `Module._wrapped_call_impl`) or a property shadowing an instance attribute is unseen; the previous call's
@@ -99,7 +99,7 @@ class RedTeamProofOnce(_Base):
     # HOLE 2: a module's `__dict__` edited without changing its size (one private attribute deleted, one added).
     # `changed()` compares each module `__dict__`'s length and its public attributes' identities; `why_not_model`'s
     # `proven.why_unread` refuses an unregistered module in `__dict__` or an instance-level `_call_impl`, but is no
-    # longer asked between calls, and `_why_not_observed` looks for "forward" only.
+    # longer asked between calls, and `watching.why_eager` looks for "forward" only.
     def test_unregistered_module_with_dict_size_kept_between_calls(self):
         model = build("llama")
         self._warm(model)

@@ -26,7 +26,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import transformers_async_stop as tas
 from models import PAD, TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility, forward
+from transformers_async_stop.graphs.piecewise import forward, proof
 from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
@@ -36,7 +36,7 @@ from test_piecewise_verify import _crop, _filled_cache, _verify_inputs
 pytestmark = pytest.mark.slow
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the releases of the package's dynamic-cache loop
-ON = {eligibility.PIECEWISE_ENV: "1"}
+ON = {proof.PIECEWISE_ENV: "1"}
 ROUNDS = dict(max_new_tokens=30, do_sample=False, eos_token_id=None)
 
 

@@ -1,7 +1,7 @@
 """Issue 32: the graphed forward's per-step checks, made cheaper, still catch what they caught.
 
 `ModelGraphs.changed` maps each namespace kind's own `get` over the watched torch names (a module's dict, a class's
-mappingproxy); `PiecewiseForward._why_not_observed` tests torch's hook tables by their truth, and a table of another
+mappingproxy); `PiecewiseForward.watching.why_eager` tests torch's hook tables by their truth, and a table of another
 type by its length; the recording key reads the dtype of the embedding module watched at `_watch` (not
 `get_input_embeddings()` at every step), and a recording made after the module was replaced is keyed by the new one.
 """
@@ -18,7 +18,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, assert_same, build, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility, forward, proven, staleness
+from transformers_async_stop.graphs.piecewise import forward, proof, staleness
 from transformers_async_stop.testing.emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
@@ -31,7 +31,7 @@ class WatchedNamesStale(unittest.TestCase):
     def setUp(self):
         self.model = build("llama").eval()
         self.graphs = staleness.ModelGraphs()
-        self.graphs.snapshot(self.model)
+        proof.hand_over(self.graphs, self.model)
 
     def _kinds(self):
         return {type(table) for table, _, _ in self.graphs.functions}
@@ -69,7 +69,7 @@ class GeometryOnTheSameStorage(unittest.TestCase):
         # `.data =` of an integer view needs a tensor without gradients (and the guard compares requires_grad too)
         model.model.layers[0].self_attn.o_proj.weight.requires_grad_(False)
         graphs = staleness.ModelGraphs()
-        graphs.snapshot(model)
+        proof.hand_over(graphs, model)
         return model, graphs
 
     def _each_way(self, check):
@@ -103,7 +103,7 @@ class GeometryOnTheSameStorage(unittest.TestCase):
         model = build("llama").eval()
         model.lm_head.weight = model.model.embed_tokens.weight
         graphs = staleness.ModelGraphs()
-        graphs.snapshot(model)
+        proof.hand_over(graphs, model)
         self.assertIsNotNone(graphs.guards)
         self.assertFalse(graphs.changed())
         weight = model.lm_head.weight
@@ -131,7 +131,7 @@ class ContainersEditedInPlace(unittest.TestCase):
         model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
         model.config.extra = {"nested": [1, 2]}
         graphs = staleness.ModelGraphs()
-        graphs.snapshot(model)
+        proof.hand_over(graphs, model)
         self.assertFalse(graphs.changed())
         model.config.layer_types[0] = "sliding_attention"
         self.assertTrue(graphs.changed())
@@ -144,7 +144,7 @@ class ContainersEditedInPlace(unittest.TestCase):
         model = build("llama").eval()
         model.config.held = [torch.ones(2)]  # `==` of tensors is elementwise: not a verdict
         graphs = staleness.ModelGraphs()
-        graphs.snapshot(model)
+        proof.hand_over(graphs, model)
         self.assertFalse(any(value is model.config.held for value in graphs.contents))
         self.assertFalse(graphs.changed())
 
@@ -163,25 +163,25 @@ class HookTablesSeen(unittest.TestCase):
         self.step = forward.PiecewiseForward(self.model, self.model.__call__, None)
 
     def test_no_hook_is_observed(self):
-        self.assertTrue(self.step.plain_hook_tables)
-        self.assertIsNone(self.step._why_not_observed())
+        self.assertTrue(self.step.watching.plain_hook_tables)
+        self.assertIsNone(self.step.watching.why_eager())
 
     def test_a_registered_hook_is_seen(self):
         handle = self.model.model.layers[1].mlp.register_forward_pre_hook(lambda *args: None)
         try:
-            self.assertEqual(self.step._why_not_observed(), "a hook was added")
+            self.assertEqual(self.step.watching.why_eager(), "a hook was added")
         finally:
             handle.remove()
-        self.assertIsNone(self.step._why_not_observed())
+        self.assertIsNone(self.step.watching.why_eager())
 
     def test_a_table_of_another_type_is_read_by_its_length(self):
         module = self.model.model.layers[0].self_attn.o_proj
         module._forward_hooks = _FalsyHooks()
         self.step._watch()
-        self.assertFalse(self.step.plain_hook_tables)
-        self.assertIsNone(self.step._why_not_observed())
+        self.assertFalse(self.step.watching.plain_hook_tables)
+        self.assertIsNone(self.step.watching.why_eager())
         module._forward_hooks[0] = lambda *args: None
-        self.assertEqual(self.step._why_not_observed(), "a hook was added")
+        self.assertEqual(self.step.watching.why_eager(), "a hook was added")
 
 
 class _SwapEmbeddingsAt(StoppingCriteria):
@@ -201,7 +201,7 @@ class _SwapEmbeddingsAt(StoppingCriteria):
 
 
 @unittest.skipUnless(RELEASES, "the dynamic-cache loop's releases (5.17-5.24)")
-@mock.patch.dict("os.environ", {eligibility.PIECEWISE_ENV: "1"})
+@mock.patch.dict("os.environ", {proof.PIECEWISE_ENV: "1"})
 class EmbeddingsReplacedMidCall(unittest.TestCase):
     def setUp(self):
         self.enterContext(emulated())
@@ -234,13 +234,13 @@ class EmbeddingsReplacedMidCall(unittest.TestCase):
 
 
 class OwnCodeVerdicts(unittest.TestCase):
-    """`proven.transformers_own`, asked per step of the cache's update and the sdpa attention function."""
+    """`proof.default_deny.transformers_own`, asked per step of the cache's update and the sdpa attention function."""
 
     def test_transformers_own_functions_pass_and_user_ones_do_not(self):
         from transformers.cache_utils import DynamicCache
 
-        self.assertTrue(proven.transformers_own(DynamicCache.update))
-        self.assertFalse(proven.transformers_own(lambda *args: None))
+        self.assertTrue(proof.default_deny.transformers_own(DynamicCache.update))
+        self.assertFalse(proof.default_deny.transformers_own(lambda *args: None))
 
     def test_a_user_function_asked_about_is_not_kept_alive(self):
         import gc
@@ -250,7 +250,7 @@ class OwnCodeVerdicts(unittest.TestCase):
             return None
 
         seen = weakref.ref(attention)
-        self.assertFalse(proven.transformers_own(attention))
+        self.assertFalse(proof.default_deny.transformers_own(attention))
         del attention
         gc.collect()
         self.assertIsNone(seen())
@@ -263,9 +263,9 @@ class OwnCodeVerdicts(unittest.TestCase):
 
         own = DynamicCache.update
         copy_of_own = type(own)(own.__code__, own.__globals__, own.__name__, own.__defaults__, own.__closure__)
-        self.assertTrue(proven.transformers_own(copy_of_own))
+        self.assertTrue(proof.default_deny.transformers_own(copy_of_own))
         copy_of_own.__code__ = update.__code__
-        self.assertFalse(proven.transformers_own(copy_of_own))
+        self.assertFalse(proof.default_deny.transformers_own(copy_of_own))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, build, prompt, stock
-from transformers_async_stop.graphs.piecewise import eligibility, forward, proven
+from transformers_async_stop.graphs.piecewise import forward, proof
 from transformers_async_stop.testing.emulation import emulated
 from test_piecewise import _generate
 
@@ -37,7 +37,7 @@ class Wrap(torch.nn.Module):
 class UnchangedModelNotWalked(unittest.TestCase):
     def setUp(self):
         self.enterContext(emulated())
-        self.enterContext(mock.patch.dict(os.environ, {eligibility.PIECEWISE_ENV: "1"}))
+        self.enterContext(mock.patch.dict(os.environ, {proof.PIECEWISE_ENV: "1"}))
         self.ids, self.mask = prompt(batch=1)
         self.model = build("llama")
         for _ in range(2):
@@ -54,8 +54,9 @@ class UnchangedModelNotWalked(unittest.TestCase):
 
     def _walks(self):
         """The proof's walks of every module during one more call against stock: (why_instances, why_observed)."""
-        with mock.patch.object(proven, "why_instances", wraps=proven.why_instances) as instances, \
-                mock.patch.object(eligibility, "why_observed", wraps=eligibility.why_observed) as observed:
+        deny, admission = proof.default_deny, proof.admission
+        with mock.patch.object(deny, "why_instances", wraps=deny.why_instances) as instances, \
+                mock.patch.object(admission, "why_observed", wraps=admission.why_observed) as observed:
             self._against_stock()
         return instances.call_count, observed.call_count
 

@@ -38,7 +38,7 @@ NARROW_THEN = ("min_new_tokens", "suppress")
 RET_DTYPES = ("bool", "long", "uint8")
 GRADS = ("none", "no_grad", "inference_mode")
 GRAPHED = {"cpu": ("emulated", "off"), "cuda": ("natural", "off")}
-GRAPHED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "phi3")  # (piecewise.eligibility.FAMILIES the fuzzer builds)
+GRAPHED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "phi3")  # (piecewise.proof.FAMILIES the fuzzer builds)
 GRAPHED_CACHES = ("none", "user_dynamic", "returned_dynamic")
 GRAPHED_RATE = {"cpu": 0.6, "cuda": 0.75}  # emulated on the CPU / natural on CUDA; else off
 

@@ -9,15 +9,16 @@ model's own eager kernels (no compiler, no kernel change), and each step replays
 attention run eagerly between them, exactly as the model runs them (`graphs.py`). A CUDA graph replays the launches
 it captured, so every value is the eager forward's.
 
-- `eligibility.py`: which models and calls take it (everything the forward decides in Python per step must be a
-  decision the package has read; every other model steps aside, with the reason in `last_path().forward`);
-- `graphs.py`: the recording (the model's forward run once with the split points intercepted) and the replay;
-- `forward.py`: the per-call forward the dynamic-cache loop calls, with the per-step checks (inputs, staleness,
-  recording key);
+- `proof/`: the proof that a recording may be replayed, one pipeline of four stages (find the family and admit the
+  call, watch the recording, give the verdict, hand over the set of things to watch: `proof/__init__.py`); every
+  other model steps aside, with the reason in `last_path().forward`;
+- `graphs.py`, `masks.py`: the recording (the model's forward run once with the split points intercepted) and the
+  replay;
+- `forward.py`: the per-call forward the dynamic-cache loop calls: per step the hand-over's checks, the step's
+  inputs (`steps.py`) and the recording key (`settings.py`: the torch settings a kernel was chosen under), then a
+  replay, or a recording run through the proof;
 - `staleness.py`: the per-model store of recordings (freed with the model) and the snapshot of the model they were
-  made from, compared before each replay;
-- `proven.py`, `settings.py`: the default-deny proof of every module and function the recording runs, and the torch
-  settings that are part of a recording's key.
+  made from, compared before each replay.
 
 `forward_for` is the loop's one entry point. `TRANSFORMERS_ASYNC_STOP_PIECEWISE=0` turns it off.
 """
@@ -25,8 +26,8 @@ it captured, so every value is the eager forward's.
 from __future__ import annotations
 
 from ... import path_report
-from .eligibility import PIECEWISE_ENV, why_not_again, why_not_model
 from .forward import PiecewiseForward, graphs_of, tell
+from .proof import PIECEWISE_ENV, why_not_again, why_not_model
 
 __all__ = ["PIECEWISE_ENV", "forward_for"]
 

@@ -15,7 +15,7 @@ model's own) where it cannot replay:
   attention implementation other than SDPA: the rest of the call runs eagerly;
 - threads: while another thread is inside `generate()`, the step runs eagerly (the graphs and their buffers serve one
   forward at a time);
-- default-deny: the model is proven (`proven.py`) before each recording, and every module's class is compared before
+- default-deny: the model is proven (`proof/`) before each recording, and every module's class is compared before
   each replay (a class swapped mid-call makes the recordings stale, and the model is proven again);
 - the key of the recording (batch size, dtypes, device, mask kind, `logits_to_keep`, every torch setting a captured
   kernel was chosen under: `settings.py`): a new key records once (at most `MAX_KEYS` per model, least recently used out).
@@ -33,22 +33,19 @@ dropped first.
 
 from __future__ import annotations
 
-import itertools
-import operator
 import sys
 
 import torch
 
 from ...release_checks import cache_kwarg
-from . import eligibility, observed, proven, settings, steps
-from .auto import normal_form, proof, run_watch
+from . import proof, settings, steps
 from .graphs import CaptureFailed, NotRecordable, record
-from .staleness import _PLAIN_TABLES, ModelGraphs, graphs_of  # noqa: F401 (the per-model store: `forward.graphs_of`)
+from .proof.observed import why_not_cache
+from .staleness import ModelGraphs, graphs_of  # noqa: F401 (the per-model store: `forward.graphs_of`)
 
 MAX_KEYS = 4  # one-token recordings per model (batch sizes, mask kinds...): least recently used dropped beyond
 MAX_WIDE = 8  # K-token recordings per model (verify widths, the draft's prefill): least replayed dropped beyond
 ROLES = ("decode", "draft", "verify")
-_TRAINING = operator.attrgetter("training")
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
 try:
@@ -68,55 +65,42 @@ class PiecewiseForward:
         self.draft = role == "draft"  # an assistant's draft loop (batch 1)
         self.wide = role != "decode"  # takes forwards of K > 1 tokens (batch 1)
         self.graphs = graphs_of(model)
-        self.family = eligibility.family_of(model)
+        self.family = proof.family_of(model)
         if watched is not None:
-            # the lists an earlier call made of this model, whose snapshot the caller just found unchanged
-            # (`forward_for`): the same modules, tables and names (a change since is one `changed` finds). They are
-            # kept without the model itself (the store is keyed by the model, weakly: red team hole 4)
-            modules, tables, plain, dicts, self.rebound, rest, self.embeddings = watched
-            self.modules, self.every = modules, [model, *rest]
-            self.hook_tables = [*_hook_tables(model), *tables]
-            self.plain_hook_tables = plain and all(type(table) in _PLAIN_TABLES for table in self.hook_tables[:4])
-            self.module_dicts = [model.__dict__, *dicts]
+            # the set an earlier call made of this model, whose snapshot the caller just found unchanged
+            # (`forward_for`): the same modules, tables and names (a change since is one `changed` finds)
+            self.unbound, self.watching = watched, watched.bind(model)
         else:
             self._watch()
         self.device = model.get_input_embeddings().weight.device
         self.off = None  # why the rest of the call runs eagerly
+        # key -> why its recording failed in this call: tried again at a later call once what it ran changed, not in
+        # this one (a model whose own eager steps change what it ran would record again at every step)
+        self.failed_here: dict = {}
         self.replayed = self.eager_steps = 0
         self.last_eager = None
 
     def _watch(self) -> None:
-        """What the per-step checks read, from the model as it is now (again after a change was found and the model
-        proven again: a module added mid-call is watched from then on)."""
-        model, family = self.model, self.family
-        base = eligibility.base_of(model)
-        self.modules = family.attentions(base, model.config)
-        every = list(model.modules())
-        self.hook_tables = [table for module in every for table in _hook_tables(module)]
-        # torch's own tables (dict / OrderedDict, whose truth is their length): `any` tests them without a call each;
-        # a table of another type (a user's mapping) keeps the per-table `len`
-        self.plain_hook_tables = all(type(table) in _PLAIN_TABLES for table in self.hook_tables)
-        self.module_dicts = [module.__dict__ for module in every]
-        rebound = eligibility.watched(model, sys.modules[type(base).__module__], family)
-        self.rebound = tuple(map(list, zip(*rebound))) if rebound else ([], [], [])
-        self.every = every
-        # the key's dtype is this module's weight's, read at each step (`get_input_embeddings()` itself costs
-        # microseconds: transformers' lookup goes through failed attribute reads). A replaced embedding module is a
-        # replaced child, which `ModelGraphs.changed` finds before any replay; `_record` watches again, and keys the
-        # recording it makes by the module as it is then
-        self.embeddings = model.get_input_embeddings()
-        # kept with the model's recordings for the next call (`forward_for`), dropped with its snapshot; the model's
-        # own entries (the first of `every` and `module_dicts`, its four hook tables) are left out: the store is the
-        # value of a weak dictionary keyed by the model
-        self.graphs.watched = (self.modules, self.hook_tables[4:], self.plain_hook_tables, self.module_dicts[1:],
-                               self.rebound, every[1:], self.embeddings)
+        """The per-step checks' set, from the model as it is now (again after a change was found and the model proven
+        again: a module added mid-call is watched from then on), kept with the model's recordings for its next call."""
+        self.unbound = proof.WatchSet(self.model, self.family)
+        self.graphs.watched = self.unbound
+        self.watching = self.unbound.bind(self.model)
+
+    @property
+    def modules(self):
+        return self.watching.modules
+
+    @property
+    def embeddings(self):
+        return self.watching.embeddings
 
     def __call__(self, **inputs):
         # every step compares the model with its recordings' snapshot in full: user code can run between two steps
         # from places the call's processors and criteria do not show (a rebound torch function they call, a value of
         # a user type they hold, a finalizer, another thread; tests/test_changes_between_steps_seen.py)
         if self.off is None:
-            why = self._why_not_observed()
+            why = self.watching.why_eager()
             if why is not None:
                 self.off = why
         if self.off is not None:
@@ -131,14 +115,16 @@ class PiecewiseForward:
         if self.family.checks_padding and inputs.get("attention_mask") is None:
             # GPT-2's base forward starts with this check of the step's ids (a log where they hold the pad token):
             # a replay skips the forward's Python, and the recording's 4D sentinel mask makes it return at once
-            eligibility.base_of(self.model).warn_if_padding_and_no_attention_mask(inputs["input_ids"], None)
+            proof.base_of(self.model).warn_if_padding_and_no_attention_mask(inputs["input_ids"], None)
         graphs = self.graphs
-        if graphs.recordings and graphs.changed():
-            graphs.clear()  # weights replaced or moved, an attribute rebound: every recording of this model is stale
+        if (graphs.recordings or graphs.failed or graphs.first_runs) and graphs.changed():
+            # weights replaced or moved, an attribute rebound, code changed: every recording of this model is stale,
+            # and a recording that failed is tried again (what made it fail may be what changed: issue 43, retry)
+            graphs.clear()
             graphs.first_runs.clear()
             # what changed may be a decision the call's eligibility made once (a config's `sliding_window` set by a
             # criterion): decided again before anything is recorded
-            why = eligibility.why_not_model(self.model, self.eager)
+            why = proof.why_not_model(self.model, self.eager)
             if why is not None:
                 self.off = why
                 return self._eager(why, inputs)
@@ -147,10 +133,12 @@ class PiecewiseForward:
         if recording is not None:
             graphs.recordings.move_to_end(key)
             return self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["input_ids"],
-                                                   inputs["position_ids"], mask, self._attention(), self.modules,
+                                                   inputs["position_ids"], mask, proof.handover.attention_function(),
+                                                   self.modules,
                                                    fresh_logits=self.role == "verify"))
-        if key in graphs.failed:
-            return self._eager(graphs.failed[key], inputs)
+        failed = graphs.failed.get(key) or self.failed_here.get(key)
+        if failed is not None:
+            return self._eager(failed, inputs)
         width = key[1]
         if width > 1 and graphs.sighting(key) < 2:
             # a width seen once may never come back (the last round clipped by the length, an EOS among the
@@ -161,40 +149,45 @@ class PiecewiseForward:
     def _record(self, key, mask, inputs):
         # a recording bakes in whatever Python runs now: the model is proven again as it is at this step (a class
         # swapped or a module added since the call's start, before any recording could notice, is refused here)
-        why = eligibility.why_not_model(self.model, self.eager)
+        why = proof.why_not_model(self.model, self.eager)  # stage 1
         if why is not None:
             self.off = why
             return self._eager(why, inputs)
         self._watch()
         key = key[:-1] + (self.embeddings.weight.dtype,)  # the embedding module as watched now (`_watch`)
         graphs = self.graphs
-        if not graphs.recordings:
+        if not graphs.recordings and not graphs.failed and not graphs.first_runs:
+            # the state every recording of the model is made from (stage 4's snapshot), taken before the first one
+            # (and after a change cleared them all)
             graphs.clear()
-            graphs.snapshot(self.model)
+            graphs.watched = self.unbound
+            proof.hand_over(graphs, self.model, self.unbound)
+        why = graphs.code.unreadable
+        if why is not None:
+            return self._eager(self._failed(key, f"not proven: {why}"), inputs)
         forward_inputs = {name: value for name, value in inputs.items() if name != "return_dict"}
         forward_inputs["return_dict"] = True
         # K tokens, or one with sliding-window layers (key[5]): the module's mask calls are recorded (`masks.py`)
         mask_module = sys.modules[self.family.module] if key[1] > 1 or type(key[5]) is tuple else None
-        watch = None
-        if self.family.auto:
-            # a family no one read: proven by what this recording runs (`auto/proof.py`)
-            why = run_watch.why_busy()
-            if why is not None:
-                return self._eager(why, inputs)
-            watch = run_watch.RunWatch(trace_ops=True)
+        watch, why = proof.watch_for(self.family)  # stage 2
+        if why is not None:
+            return self._eager(why, inputs)
         try:
             made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
                           "sdpa", graphs.pool, mask_module, watch=watch)
         except NotRecordable as error:
-            return self._eager(_failed(graphs.failed, key, f"not recordable: {error}"), inputs)
+            graphs.sizes = list(map(len, graphs.dicts))  # what transformers' forward set on its modules meanwhile
+            return self._eager(self._failed(key, f"not recordable: {error}"), inputs)
         except CaptureFailed as error:
+            graphs.sizes = list(map(len, graphs.dicts))
             # a capture the device refused (a host read inside the forward, say); any other exception is the model's
             # or the user's, which `record` lets through: stock's forward raises it here too
-            return self._eager(_failed(graphs.failed, key, f"capture failed ({error})"), inputs)
+            return self._eager(self._failed(key, f"capture failed ({error})"), inputs)
         if made is None:
             return self._eager("another thread is inside generate()", inputs)
         recording, outputs = made
         graphs.pool = recording.pool
+        graphs.sizes = list(map(len, graphs.dicts))  # what transformers' own forward set on its modules while recorded
         if self.role == "verify":
             # the logits are in the pool's memory, which a replay of any recording captured before this one may
             # overwrite (CUDA's allocator hands a later capture what an earlier one freed), kept or not: stock's loop
@@ -202,7 +195,7 @@ class PiecewiseForward:
             # item 1: the recording not kept below returned its buffer, and the next round's replay overwrote it)
             outputs = recording.output(cache_kwarg.get(inputs), fresh_logits=True)
         if watch is not None:
-            why = self._unproven(key, watch)
+            why = self._unproven(key, watch)  # stage 3, and stage 4's additions
             if why is not None:
                 # the step's outputs are the forward's own (its kernels ran once, as eagerly): the recording is not kept
                 self.eager_steps += 1
@@ -210,20 +203,23 @@ class PiecewiseForward:
                 self._note()
                 return outputs
         graphs.recordings[key] = recording
-        graphs.sizes = list(map(len, graphs.dicts))  # what transformers' own forward set on its modules while recorded
         _evict(graphs.recordings, key)
         return self._replayed(outputs)
 
     def _unproven(self, key, watch) -> str | None:
-        """Why the recording just made for a family found by `auto/discover.py` is not kept (None: it is). A recording
-        that ran a function proven only by the rules is kept once a second one, at a later position, ran the same ops
-        (the first's are remembered meanwhile)."""
+        """Why the recording just made is not kept (None: it is). A recording that ran a function proven only by the
+        rules is kept once a second one, at a later position, ran the same ops (the first's are remembered meanwhile).
+        What the run looked up by name is watched from now on, kept or not: a change to it tries a failed proof
+        again."""
         graphs = self.graphs
-        verdict = proof.why_unproven(watch, self.family, normal_form.read_digests(eligibility.FAMILIES.values()))
+        verdict = proof.judge_recording(watch, self.family)
+        graphs.watch(verdict.names, verdict.registries)
         if verdict.why is not None:
-            return _failed(graphs.failed, key, f"not proven: {verdict.why}")
+            return self._failed(key, f"not proven: {verdict.why}")
+        why = graphs.code.unreadable
+        if why is not None:
+            return self._failed(key, f"not proven: {why}")
         if not verdict.checked:
-            graphs.watch(verdict.names, verdict.registries)
             return None
         first = graphs.first_runs.pop(key, None)
         if first is None:
@@ -233,9 +229,15 @@ class PiecewiseForward:
             return f"recorded once, to be confirmed at the next position ({len(verdict.checked)} functions checked)"
         difference = proof.first_difference(first, watch.ops)
         if difference is not None:
-            return _failed(graphs.failed, key, f"not proven: two positions ran different ops: {difference}")
-        graphs.watch(verdict.names, verdict.registries)
+            return self._failed(key, f"not proven: two positions ran different ops: {difference}")
         return None
+
+    def _failed(self, key, why: str) -> str:
+        """Remember why `key`'s recording failed: in the model's store, until what the model's snapshot holds changes
+        (the next step that finds it changed tries again: a registry restored, an experts implementation switched
+        back), and for the rest of this call."""
+        self.failed_here[key] = why
+        return _remember(self.graphs.failed, key, why)
 
     def _replayed(self, outputs):
         self.replayed += 1
@@ -262,44 +264,18 @@ class PiecewiseForward:
             text = f"eager: {self.last_eager}"
         tell(report, self.role, text)
 
-    def _attention(self):
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        # `get` rather than `get_interface`: the latter is 5.x-only, and for "sdpa" both read the same two mappings
-        return ALL_ATTENTION_FUNCTIONS.get("sdpa")
-
-    def _why_not_observed(self) -> str | None:
-        hooks = torch.nn.modules.module
-        tables = self.hook_tables
-        if (any(tables) if self.plain_hook_tables else any(map(len, tables))) or (
-                hooks._global_forward_pre_hooks or hooks._global_forward_hooks):
-            return "a hook was added"
-        if any(map(operator.contains, self.module_dicts, itertools.repeat("forward"))):
-            return "a forward was wrapped"
-        if any(map(_TRAINING, self.every)):
-            return "training mode"
-        owners, names, first = self.rebound
-        if any(map(operator.is_not, map(getattr, owners, names), first)):
-            return eligibility.why_rebound(zip(owners, names, first))
-        if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
-            return "the attention implementation changed"
-        if not proven.transformers_own(self._attention()):
-            # each replay calls it eagerly for every layer: user code there could change what the rest of the step
-            # reads, which the recording baked in (red team Q6)
-            return "an attention function registered for sdpa that is not transformers' own"
-        if not steps.own_sdpa_mask():
-            # stock's `create_causal_mask` calls the mask function registered for "sdpa" at every step; a replay's
-            # mask is the one `steps.attention_mask` worked out for transformers' own
-            return "a mask function registered for sdpa"
-        return steps.why_mode()
-
-
     def _step(self, inputs):
         """(the attention's mask, the recording key, None), or (None, None, why this step runs eagerly). For a
         forward of K > 1 tokens the "mask" is the step's own (2D or None), from which each replay makes stock's."""
         cache = cache_kwarg.get(inputs)
         if (not _INPUTS.issuperset(name for name in inputs if name != cache_kwarg.name())
                 or inputs.get("return_dict", True) is not True):
+            if "tokenizer" in inputs:
+                # generate(tokenizer=..., stop_strings=...) hands the tokenizer on to every forward, which passes it
+                # down to the attention functions; the recording takes tensors and scalars only
+                return None, None, ("the forward is handed `tokenizer` (generate() passes it on with stop_strings): "
+                                    "pass stopping_criteria=[StopStringCriteria(tokenizer, stop_strings)] instead of "
+                                    "tokenizer= and stop_strings= for the graphed forward")
             return None, None, "inputs the recording does not take"
         if "return_dict" not in inputs and getattr(self.model.config, "return_dict", True) is not True:
             # the verify call passes none: stock's forward then returns a tuple (`can_return_tuple`), a replay an
@@ -318,7 +294,7 @@ class PiecewiseForward:
             return None, None, f"a {self.role} batch other than 1"
         if inputs.get("use_cache", True) is not True or type(keep) is not int:
             return None, None, "inputs the recording does not take"
-        why = observed.why_not_cache(cache)
+        why = why_not_cache(cache)
         if why is not None:
             return None, None, why
         if len(cache.layers) != len(self.modules) or not cache.layers[0].is_initialized:
@@ -362,11 +338,6 @@ class PiecewiseForward:
         return mask, key, None
 
 
-def _hook_tables(module) -> tuple:
-    return (module._forward_pre_hooks, module._forward_hooks, module._backward_hooks,
-            getattr(module, "_backward_pre_hooks", {}))
-
-
 def tell(report, role: str, text: str) -> None:
     """Write a forward's path into the call's report: the verify forward's in `verify`, the others' in `forward` (a
     draft's prefixed "draft ")."""
@@ -376,9 +347,9 @@ def tell(report, role: str, text: str) -> None:
         report.forward = f"draft {text}" if role == "draft" else text
 
 
-def _failed(failed: dict, key, why: str) -> str:
-    """Remember why `key`'s recording failed (not tried again while the model is unchanged), for at most
-    `MAX_KEYS + MAX_WIDE` keys (the oldest forgotten: tried again once)."""
+def _remember(failed: dict, key, why: str) -> str:
+    """Remember why `key`'s recording failed, for at most `MAX_KEYS + MAX_WIDE` keys (the oldest forgotten: tried
+    again once)."""
     failed[key] = why
     while len(failed) > MAX_KEYS + MAX_WIDE:
         del failed[next(iter(failed))]

@@ -182,7 +182,7 @@ class _Recorder:
         self.saved = []  # (layer, its attributes) before this step's update: restored if the recording fails
         self.config = None  # the model's config (`record`)
         self.raised = None  # an exception of the code the recording runs eagerly, as stock runs it (`_eager`)
-        self.watch = None  # what the run executed, for a family proven per recording (`auto/run_watch.py`)
+        self.watch = None  # what the run executed, (`proof/watch.py`)
 
     def expected_module(self):
         index = len(self.rec.layers)
@@ -197,7 +197,7 @@ class _Recorder:
             self.watch.between = False
 
     def quiet(self):
-        """The recorder's own work (captures, replays, buffers), unseen by the run's watch (`auto/run_watch.py`)."""
+        """The recorder's own work (captures, replays, buffers), unseen by the run's watch (`proof/watch.py`)."""
         return self.watch.paused() if self.watch is not None else contextlib.nullcontext()
 
     def end(self) -> None:
@@ -356,8 +356,8 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     (`real_mask` is then the step's own 2D mask or None); for a one-token forward of a cache with sliding-window
     layers, the module whose mask calls are recorded and answered on the host at each replay (`masks.host_mask`;
     `real_mask` the step's own); None for any other one-token forward, whose attention gets `real_mask` itself.
-    `watch`: an `auto.run_watch.RunWatch` installed around the forward (a family proven per recording): what the run
-    executed, for `auto.proof` to judge after it."""
+    `watch`: a `proof.watch.RunWatch` installed around the forward: what the run
+    executed, for `proof.verdict` to judge after it."""
     import time
 
     device = inputs["input_ids"].device

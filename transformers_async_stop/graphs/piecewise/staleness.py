@@ -16,14 +16,12 @@ import collections
 import copy
 import itertools
 import operator
-import sys
 import threading
 import weakref
 
 import torch
 
-from . import eligibility, proven
-from .code_names import watched_functions
+from .proof.callables import CallableState
 
 _STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STORE_LOCK = threading.Lock()
@@ -75,6 +73,9 @@ class ModelGraphs:
     def _reset(self) -> None:
         self.entries: list = []  # (owner dict, name, object): every submodule, parameter and buffer as recorded
         self.functions: list = []  # (namespace, name, object): the torch names the replayed Python looks up
+        # the code of every function the replay skips, and the callables it holds (`proof/callables.py`)
+        self.code_roots: list = []
+        self.code = CallableState(())
         self._functions: list = []  # `functions` by their namespace's type: (its `get`, three lists)
         self._columns: tuple = ([], [], [])  # `entries` as three lists
         self.root, self.root_class = _NO_MODEL, None  # the model (a weak reference) and its class, as recorded
@@ -108,7 +109,10 @@ class ModelGraphs:
         self.pool = None
         self._reset()
 
-    def snapshot(self, model) -> None:
+    def snapshot(self, model, functions, code_roots) -> None:
+        """The model's state now, before its first recording (`proof.hand_over` gives `functions`, the torch names
+        and internals the replayed Python looks up, and `code_roots`, the functions and callables whose code state is
+        compared)."""
         entries, tensors = [], []
         # the model itself by a weak reference: this store is the value of a `WeakKeyDictionary` keyed by the model,
         # and a strong one here would keep the model, its weights and its graph pool alive for good (red team hole 4)
@@ -125,7 +129,7 @@ class ModelGraphs:
                     if tensor is not None:
                         tensors.append(tensor)
             # `module.compile()` (a criterion's, mid-call) sets this private field: stock's next call of the module
-            # runs the compiled code, which the recording never ran (proven.py refuses a compiled module)
+            # runs the compiled code, which the recording never ran (proof/default_deny.py refuses a compiled module)
             entries.append((module.__dict__, "_compiled_call_impl", module.__dict__.get("_compiled_call_impl")))
             # the hook tables as objects: the per-step check reads the tables it found (`PiecewiseForward._watch`), so
             # one replaced by another (`m._forward_hooks = OrderedDict(...)`) would go unseen
@@ -158,11 +162,14 @@ class ModelGraphs:
         self.dicts += [vars(klass) for klass in dict.fromkeys(
             klass for cls in {self.root_class, *self.classes} for klass in cls.__mro__ if klass is not object)]
         self.sizes = list(map(len, self.dicts))
-        base = eligibility.base_of(model)
         # the torch names the replayed Python looks up, and torch's module internals every module call runs
         # (`Module._call_impl`, `__getattr__`...: rebound mid-call, stock's later steps run the new code)
-        self.functions = watched_functions(model, sys.modules[type(base).__module__]) + proven.torch_internals(
-            [self.root_class, *self.classes])
+        self.functions = list(functions)
+        # and the code behind every name a replay skips, with the callables held as plain attributes of the modules
+        # (a `functools.partial` activation set on a module: its keywords are compared, issue 43 hole 5)
+        self.code_roots = [*code_roots, *(value for _, _, value in attributes if callable(value)
+                                          and not isinstance(value, (torch.nn.Module, torch.Tensor)))]
+        self.code = CallableState(self.code_roots)
         self._columns = _columns(entries)
         # a module's dict or a class's (a mappingproxy): each kind's own `get`, mapped from C
         kinds: dict = {}
@@ -194,7 +201,7 @@ class ModelGraphs:
         """Every module's `__dict__`, and its children, parameter and buffer tables, hold the very keys and values
         they held as proven (`snapshot`): identity only, no `==` (a value's `__eq__` is user code, or a
         tensor's elementwise compare). With the same keys in the same order and the same objects, each table is the
-        one proven, so the module tree, its attributes, overrides and hook tables are too (`eligibility.why_not_again`
+        one proven, so the module tree, its attributes, overrides and hook tables are too (`proof.admission.why_not_again`
         asks this once per call instead of walking every module's `__dict__` with the proof's tests). A few hundred
         microseconds for a 1B model: once per call, not per step."""
         tables = self.instances
@@ -208,7 +215,9 @@ class ModelGraphs:
 
     def watch(self, entries, registries) -> None:
         """Compare these too before every replay, until the next snapshot: the names the code a proven recording ran
-        looks up ((namespace dict, name, object), `auto/proof.py`) and the registries it read (by their contents)."""
+        looks up ((namespace dict, name, object), `proof/verdict.py`) and the registries it read (by their contents),
+        and the code state of the functions among them and in the registries (`proof/callables.py`). Asked for a
+        recording kept, and for one whose proof failed (a change to what it ran tries it again)."""
         # each kept recording of the model adds what it ran; one entry per (namespace, name): the per-step compare
         # does not grow with the number of recordings
         seen = {(id(table), name) for table, name, _ in self.functions}
@@ -223,6 +232,11 @@ class ModelGraphs:
             if not any(registry is seen for seen in self.contents):
                 self.contents.append(registry)
                 self.copies.append(dict(registry.items()))
+        roots = [value for _, _, value in fresh if callable(value)]
+        roots += [value for registry in registries for value in registry.values() if callable(value)]
+        if roots:
+            self.code_roots = self.code_roots + roots
+            self.code = CallableState(self.code_roots)
 
     def changed(self) -> bool:
         # checked before every replay: C-level maps over the flat lists (a few tens of microseconds for a 1B model)
@@ -241,6 +255,8 @@ class ModelGraphs:
             return True  # an attribute added to a module
         if self.contents != self.copies:
             return True  # a config's list or dict edited in place
+        if self.code.changed():
+            return True  # a function's code, defaults or closure, or a partial's arguments (issue 43, holes 4, 5)
         tensors = self.tensors
         if list(map(torch.Tensor.data_ptr, tensors)) != self.pointers:
             return True

@@ -217,7 +217,7 @@ _GENERIC = {
 }
 PIECEWISE_SHORTCUTS += (
     Shortcut(
-        "piecewise generic machinery (found families)", tuple(_GENERIC), _GENERIC, "piecewise.auto.proof",
+        "piecewise generic machinery (found families)", tuple(_GENERIC), _GENERIC, "piecewise.proof.verdict",
         present="5.17-5.24",
         why="the generic code every family's forward runs, read once for the families proven per recording",
     ),
@@ -231,7 +231,7 @@ PIECEWISE_SHORTCUTS += (
     Shortcut(
         "piecewise layer call (gradient checkpointing)", (_LAYER_CALL,),
         {_LAYER_CALL: {"986f4aa53484": "5.17.0-5.22.2"}},
-        "piecewise.proven", present="5.17-5.22",
+        "piecewise.proof.default_deny", present="5.17-5.22",
         why="a decoder layer's call passes through to the module's own call outside gradient checkpointing",
     ),
 )

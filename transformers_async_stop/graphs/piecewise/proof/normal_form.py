@@ -6,7 +6,7 @@ docstring and annotations dropped and the family's class prefix (`Olmo`, `Llama`
 that such a copy has the digest of the function it was copied from. `read_digests` gives the normal digests of every
 source read by hand (`targets/piecewise_rows.py`) whose installed digest is one that was read: a function with one of
 those is that read code, under another family's names. What the names refer to (`self.mlp`'s class, the module's
-`apply_rotary_pos_emb`) is proven on its own: every function a recording runs is (`proof.py`).
+`apply_rotary_pos_emb`) is proven on its own: every function a recording runs is (`verdict.py`).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ _READ: dict = {}
 
 
 def read_digests(families) -> frozenset:
-    """The normal digests of the hand-read sources of `families` (`eligibility.FAMILIES` values) whose installed
+    """The normal digests of the hand-read sources of `families` (`family.FAMILIES` values) whose installed
     sources are the ones read (`verified.matches`), remembered per set of such families."""
     names = tuple(sorted(f.name for f in families if matches(f"piecewise forward ({f.name})")))
     found = _READ.get(names)

@@ -5,7 +5,7 @@ Python made is the same at every step. The decode step's inputs are fixed buffer
 all of fixed shape); what differs from step to step on the host is the cache object (its length), time, the
 process's state, and whatever the code keeps between calls. Host reads of the device (`.item()`, a data-dependent
 shape) already fail the capture. So, of each statement a recording executed in an unread function (`executed`
-lines, `run_watch.py`), the rules refuse:
+lines, `watch.py`), the rules refuse:
 
 - a read of the cache other than its `update` call or passing it on (its length is the step): an attribute, a
   subscript, `len()`, iteration;
@@ -19,8 +19,8 @@ lines, `run_watch.py`), the rules refuse:
   `print`.
 
 Anything else it read (module attributes, configs, the torch functions it calls) is compared before every replay
-(`staleness.py`, `code_names.py`). A decision the rules cannot see (a branch on something they do not name) is
-caught by recording twice, at two positions, and comparing the ops and scalars of the two runs (`proof.py`).
+(`staleness.py`, `names.py`). A decision the rules cannot see (a branch on something they do not name) is
+caught by recording twice, at two positions, and comparing the ops and scalars of the two runs (`verdict.py`).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def _node(item, parents) -> str | None:
             return _cache_use(item, parents)
         value = _GLOBALS.get(item.id) if item.id not in _LOCALS else None
         if isinstance(value, _CONTAINERS):
-            if _registry(value):
+            if is_registry(value):
                 if not any(value is seen for seen in _REGISTRIES):
                     _REGISTRIES.append(value)
             else:
@@ -187,7 +187,7 @@ def _node(item, parents) -> str | None:
     return None
 
 
-def _registry(value) -> bool:
+def is_registry(value) -> bool:
     """One of transformers' function registries (`GeneralInterface`: attention, mask, experts functions)."""
     generic = sys.modules.get("transformers.utils.generic")
     interface = getattr(generic, "GeneralInterface", None)

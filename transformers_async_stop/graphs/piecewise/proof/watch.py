@@ -1,6 +1,6 @@
 """What one recording's run of the forward executed, outside the parts a replay runs again eagerly.
 
-A recording bakes in every decision the forward's Python made while it ran. The automatic proof (`proof.py`) looks at
+A recording bakes in every decision the forward's Python made while it ran. The proof (`verdict.py`) looks at
 exactly what ran, not at what a class could run: which transformers functions executed, line by line, and which
 code of neither transformers, torch, the standard library nor this package did (a user's function, a monkeypatch).
 `RunWatch` collects both with `sys.settrace` (line events only in transformers' files; torch's and the standard
@@ -37,7 +37,7 @@ _SITE = tuple(real_path(sysconfig.get_paths()[name]) + os.sep for name in ("pure
 @functools.lru_cache(maxsize=4096)
 def kind_of(filename: str) -> str:
     """"transformers", "torch" (torch's files and the standard library's: their own code, not traced further),
-    "ours" (this package), "generated" (compiled from a string: judged by the module it runs in), or "other"."""
+    "ours" (this package), "generated" (compiled from a string: judged by its code object, `identity.py`), or "other"."""
     if filename.startswith("<frozen "):  # the standard library's frozen modules (`abc`, `os`, `codecs` in 3.11+)
         return "torch"
     if filename.startswith("<"):  # compiled from a string: dataclasses' methods, named tuples, or a user's `exec`
@@ -62,12 +62,17 @@ def why_busy() -> str | None:
 class RunWatch:
     """Install with `with watch:` around the recording's forward (this thread only); pause with `paused()`."""
 
-    def __init__(self, trace_ops: bool):
+    def __init__(self, trace_ops: bool, trace_lines: bool = True):
         self.pause = 0
+        # a hand-read family's code is read and digested: which of its code objects ran is needed (their identity,
+        # `identity.py`), not which lines
+        self.trace_lines = trace_lines
         self.lines: dict = {}  # code object -> the line numbers executed
         self.modules: dict = {}  # code object -> the name of the module whose globals it ran with
         self.foreign: dict = {}  # code object of neither transformers, torch, the stdlib nor this package -> module
         self.closures: dict = {}  # code object -> its free variables' values (a decorator's registry, say)
+        # code compiled from a string -> (the module whose globals it ran with, the type it ran for)
+        self.generated: dict = {}
         self.ops: list | None = [] if trace_ops else None
         # ops the forward dispatched between a piece's end and the next one's start, outside the code a replay runs
         # again: a replay would not run them (a query scaled after the cache update)
@@ -106,14 +111,17 @@ class RunWatch:
                 if code.co_freevars:
                     local = frame.f_locals
                     self.closures[code] = {name: local.get(name) for name in code.co_freevars}
-            return self._line
+            return self._line if self.trace_lines else None
         if kind == "generated":
-            # code compiled from a string: a dataclass's or a named tuple's methods, made by the standard library for
-            # a class of transformers' or torch's, run with that module's globals; anything else (`exec`, a notebook
-            # cell, a doctest) is a user's (red team hole 3)
-            module = frame.f_globals.get("__name__", "") or ""
-            if not module.startswith(("transformers.", "torch.", "dataclasses", "collections")):
-                self.foreign.setdefault(code, module or "?")
+            # code compiled from a string: the standard library's methods of a dataclass or a named tuple of
+            # transformers' or torch's, or a user's (`exec`, a notebook cell, a source rewriter's patch run in a
+            # modeling module's namespace: issue 43, hole 2). Judged by the code object itself after the run
+            # (`identity.why_not_generated`), with the type it ran for
+            if code not in self.generated:
+                local = frame.f_locals
+                first = local.get(code.co_varnames[0]) if code.co_argcount and code.co_varnames else None
+                self.generated[code] = (frame.f_globals.get("__name__", "") or "?",
+                                        first if isinstance(first, type) else type(first))
             return None
         if kind == "other":
             self.foreign.setdefault(code, frame.f_globals.get("__name__", "?"))

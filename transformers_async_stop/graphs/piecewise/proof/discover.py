@@ -1,6 +1,6 @@
 """A transformers causal LM's layout, found from the model itself: the family a hand read would have written down.
 
-`eligibility.Family` names where a family keeps its decoder layers and their attention modules (the modules whose
+`family.Family` names where a family keeps its decoder layers and their attention modules (the modules whose
 forward calls the cache update and the attention function, between which a recording cuts the pieces), and the
 modeling module whose globals the forward looks up. For a family no one read, `family_for` finds them:
 - the model's class is transformers' own `<Prefix>ForCausalLM`, defined in `transformers.models.<x>.modeling_<x>`
@@ -18,6 +18,8 @@ import sys
 import weakref
 
 import torch
+
+from .names import code_names
 
 _FOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model class -> (Family | None, why)
 _SELF_ATTENTION = frozenset(("self_attn", "attn", "attention", "self_attention"))
@@ -68,8 +70,6 @@ def _find(model, family_type, watched_globals):
     attention = names.pop()
     if not all(isinstance(getattr(layer, attention, None), torch.nn.Module) for layer in layers):
         return None, f"model family {cls.__name__} not proven (a layer without its {attention!r})"
-    from ..code_names import code_names
-
     base_forward = getattr(type(base), "forward", None)
     family = family_type(
         name=getattr(config, "model_type", None) or cls.__name__, module=module_name, causal_lm=cls.__name__,

@@ -16,7 +16,7 @@ keeps its eager forward, with the module named in `last_path().forward`:
 - **no instance-level override**: no `forward`, `_call_impl` or `_wrapped_call_impl` in a module's `__dict__`, and no
   compiled call (`module.compile()` sets `_compiled_call_impl`).
 
-The torch functions and tensor methods the forward's code looks up by name (`code_names.watched_functions`) must be
+The torch functions and tensor methods the forward's code looks up by name (`names.watched_functions`) must be
 torch's own objects too (`why_foreign_functions`): one rebound before the first call would otherwise be recorded as
 if it were torch's.
 
@@ -34,8 +34,8 @@ import weakref
 
 import torch
 
-from ...release_checks.verified import matches
-from ...undo.module_state import real_path
+from ....release_checks.verified import matches
+from ....undo.module_state import real_path
 
 # torch modules whose forward the families use, each a fixed composition of ops over the module's own parameters
 # (Dropout: an identity outside training mode, which steps aside). Exact classes only: a subclass is user code.
@@ -43,6 +43,10 @@ TORCH_MODULES = frozenset((torch.nn.Linear, torch.nn.Embedding, torch.nn.ModuleL
                            torch.nn.LayerNorm,
                            # activations: one functional op on the input (OPT's `activation_fn`, ACT2FN's "relu")
                            torch.nn.ReLU, torch.nn.GELU, torch.nn.SiLU, torch.nn.Tanh, torch.nn.Identity))
+# the modules of that list whose forward never reads `self.training` (Dropout does): one left in training mode
+# (`resize_token_embeddings` makes new Embedding and Linear modules, in training mode) computes what it computes in
+# eval mode
+TRAINING_FREE = TORCH_MODULES - {torch.nn.Dropout}
 # transformers' helper sources read with every family (present on some releases only: `matches` says where)
 HELPER_SHORTCUTS = ("piecewise layer call (gradient checkpointing)",)
 _METHODS = ("forward", "__call__")
@@ -61,8 +65,8 @@ _TRANSFORMERS_DIR = os.path.realpath(os.path.dirname(__import__("transformers").
 def why_unread(model, family_sources) -> str | None:
     """The first module of `model` that is not proven (see the module docstring), as a reason; None: all are. The
     family's sources are named in `family_sources`; their digests are checked by the caller (`verified.matches`).
-    `family_sources` None (a family found by `auto/discover.py`): any `forward` / `__call__` of transformers' own
-    code, each proven by what a recording runs of it (`auto/proof.py`)."""
+    `family_sources` None (a family found by `discover.py`): any `forward` / `__call__` of transformers' own
+    code, each proven by what a recording runs of it (`verdict.py`)."""
     helpers = _helper_sources()
     verdicts: dict = {}
     for name, module in model.named_modules():
@@ -80,7 +84,7 @@ def why_unread(model, family_sources) -> str | None:
 
 def why_instances(model) -> str | None:
     """`why_unread`'s checks of each module's own `__dict__` alone (its classes proven before): asked again at each
-    call of a model whose recordings' snapshot is unchanged (`eligibility.why_not_again`), as the snapshot compares a
+    call of a model whose recordings' snapshot is unchanged (`admission.why_not_again`), as the snapshot compares a
     `__dict__`'s size, not which names it holds (red team of the proof-once cut, hole 2)."""
     for name, module in model.named_modules():
         why = _why_instance(module, type(module))
@@ -116,7 +120,7 @@ def classes_read(classes, family_sources) -> bool:
 
 
 def _helper_sources() -> frozenset:
-    from ...release_checks.targets import SHORTCUTS
+    from ....release_checks.targets import SHORTCUTS
 
     return frozenset(source for shortcut in SHORTCUTS if shortcut.name in HELPER_SHORTCUTS
                      and matches(shortcut.name) for source in shortcut.sources)
@@ -157,7 +161,7 @@ def _why_class(cls, family_sources, helpers) -> str | None:
 
 def transformers_methods(classes) -> list:
     """(class, name) of every function, property and class/static method defined by the transformers classes along the
-    method order of `classes`: watched for rebinding before each replay (`eligibility.watched`)."""
+    method order of `classes`: watched for rebinding before each replay (`names.watched`)."""
     pairs = set()
     for cls in set(classes):
         for klass in cls.__mro__:
@@ -248,7 +252,7 @@ def _torch_code(function) -> bool:
 
 
 def why_foreign_functions(entries) -> str | None:
-    """`code_names.watched_functions` entries (namespace dict, name, object): each must be torch's own object, as torch
+    """`names.watched_functions` entries (namespace dict, name, object): each must be torch's own object, as torch
     defines it (a Python function in torch's files, or a builtin of that name), or, for `torch.Tensor`'s table, no
     Python override at all (the method of `torch._C.TensorBase`) or torch's own."""
     for table, name, value in entries:

@@ -1,13 +1,13 @@
 """What a replay would not see or reproduce, asked of the model and the cache: hooks and instance-level forwards
 (user code a replay skips), the parameters' kind and placement, and the cache's layers and update functions (which
-every replay calls eagerly between its pieces). `eligibility.py` asks them before a recording and at each call;
+every replay calls eagerly between its pieces). `admission.py` asks them before a recording and at each call;
 `forward.py` asks `why_not_cache` at each step."""
 
 from __future__ import annotations
 
 import torch
 
-from . import proven
+from . import default_deny
 
 
 def why_not_tensors(model) -> str | None:
@@ -39,10 +39,24 @@ def why_observed(model) -> str | None:
         return why
     for module in model.modules():
         if _has_hooks(module):
-            return f"a hook on {type(module).__name__}"
+            return f"a hook on {type(module).__name__}{_whose(module)}"
         if "forward" in module.__dict__:
             return f"a wrapped forward on {type(module).__name__}"
     return None
+
+
+# transformers' own forward hook that `gradient_checkpointing_enable()` (and peft) leave on the input embeddings: it
+# marks the embeddings' output as requiring gradients, for training; generate() runs without gradients
+_INPUT_GRADS = "enable_input_require_grads.<locals>.make_inputs_require_grads"
+
+
+def _whose(module) -> str:
+    """How to remove a hook the user may not know of (a reason that says how to get the graphed forward)."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    if any(getattr(hook, "__qualname__", "").endswith(_INPUT_GRADS) for hook in hooks):
+        return (" (transformers' input-gradients hook, which gradient_checkpointing_enable() adds: "
+                "model.disable_input_require_grads() removes it)")
+    return ""
 
 
 def _has_hooks(module) -> bool:
@@ -68,8 +82,8 @@ def why_not_cache(cache) -> str | None:
         return "a cache with its own update"
     # each replay calls the cache's and its layers' `update` eagerly, between the pieces: user code there (patched on
     # the class, or set on a layer) could change what the rest of the step reads (red team Q6)
-    if not (proven.transformers_own(DynamicCache.update) and proven.transformers_own(DynamicLayer.update)
-            and proven.transformers_own(DynamicSlidingWindowLayer.update)):
+    if not (default_deny.transformers_own(DynamicCache.update) and default_deny.transformers_own(DynamicLayer.update)
+            and default_deny.transformers_own(DynamicSlidingWindowLayer.update)):
         return "a cache update that is not transformers' own"
     if any("update" in layer.__dict__ for layer in cache.layers):
         return "a cache layer with its own update"

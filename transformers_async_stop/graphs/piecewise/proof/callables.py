@@ -1,0 +1,149 @@
+"""The state of the functions and callables a replay relies on, beyond their identity (issue 43, holes 4 and 5).
+
+A replay compares the objects found under the names the forward looks up (`names.py`, `staleness.py`). An object can
+keep its identity and still run other code, or the same code with other values:
+- a function whose `__code__` was replaced in place (IPython's `%autoreload` does this when a user edits a modeling
+  file in a notebook), whose `__defaults__` / `__kwdefaults__` were set or edited, or whose closure cells were
+  rebound (a decorator's wrapper holds the function it wraps in one);
+- a `functools.partial` whose `keywords` were edited (`act.keywords["approximate"] = "none"`), or whose `args` or
+  `func` were swapped through `__setstate__`.
+`CallableState` takes all of that for a set of roots, and everything reachable from them through closures, defaults,
+`__wrapped__`, bound methods and partials; `changed()` compares it before every replay.
+
+A callable whose state it cannot read (an instance of a user's class with `__call__`, a C extension object holding
+state, a builtin bound to an object that is no module) is not compared but named: `unreadable` is the first one,
+and the proof refuses the recording with it (`admission.py`) rather than replay something it cannot watch. Callables
+of torch's and transformers' own types (a module, an op overload, a registry) are compared by identity; their state
+is the module snapshot's, or fixed.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import types
+
+import torch
+
+# callables with no state of their own beyond their identity (a builtin of a module, a class, a slot wrapper...)
+_STATELESS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
+              types.MethodWrapperType, types.MethodDescriptorType, types.ClassMethodDescriptorType, type,
+              torch.nn.Module)
+_OWN_PREFIXES = ("torch", "transformers", "functools", "builtins", "operator", "typing", "collections", "enum")
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+_CODE = operator.attrgetter("__code__")
+_DEFAULTS = operator.attrgetter("__defaults__")
+_KWDEFAULTS = operator.attrgetter("__kwdefaults__")
+_CLOSURE = operator.attrgetter("__closure__")
+_PARTIAL = operator.attrgetter("func", "args", "keywords")
+
+
+class CallableState:
+    """What the roots' code and bound values are now; `changed()` says whether any of it moved since."""
+
+    def __init__(self, roots):
+        self.unreadable: str | None = None
+        functions, partials, seen = [], [], set()
+        stack = list(roots)
+        while stack:
+            value = stack.pop()
+            if id(value) in seen or isinstance(value, _ATOMS):
+                continue
+            seen.add(id(value))
+            if isinstance(value, types.FunctionType):
+                functions.append(value)
+                stack += _reached_from_function(value)
+            elif isinstance(value, types.MethodType):
+                stack.append(value.__func__)
+            elif isinstance(value, functools.partial):
+                partials.append(value)
+                stack += [value.func, *value.args, *(value.keywords or {}).values()]
+            elif isinstance(value, (classmethod, staticmethod, property)):
+                stack += [getattr(value, "__func__", None) or value.fget]
+            elif isinstance(value, (tuple, list, frozenset, set)) and len(value) < 64:
+                stack += list(value)
+            elif callable(value) and self.unreadable is None:
+                self.unreadable = _why_unreadable(value, stack)
+        self.functions = functions
+        self.codes = list(map(_CODE, functions))
+        self.defaults = list(map(_DEFAULTS, functions))
+        self.kwdefaults = list(map(_KWDEFAULTS, functions))
+        self.kwdefault_items = [dict(table) if table else None for table in self.kwdefaults]
+        self.closures = list(map(_CLOSURE, functions))
+        self.cells = [cell for closure in self.closures if closure for cell in closure]
+        self.contents = list(map(_cell_contents, self.cells))
+        self.partials = partials
+        self.partial_state = [_partial_state(partial) for partial in partials]
+
+    def changed(self) -> bool:
+        functions = self.functions
+        if (any(map(operator.is_not, map(_CODE, functions), self.codes))
+                or any(map(operator.is_not, map(_DEFAULTS, functions), self.defaults))
+                or any(map(operator.is_not, map(_KWDEFAULTS, functions), self.kwdefaults))
+                or any(map(operator.is_not, map(_CLOSURE, functions), self.closures))
+                or any(map(operator.is_not, map(_cell_contents, self.cells), self.contents))):
+            return True
+        for table, items in zip(self.kwdefaults, self.kwdefault_items):
+            if table is not None and not _same_items(table, items):
+                return True
+        for partial, (func, args, keywords, items) in zip(self.partials, self.partial_state):
+            now = _PARTIAL(partial)
+            if now[0] is not func or now[1] is not args or now[2] is not keywords or (
+                    keywords is not None and not _same_items(keywords, items)):
+                return True
+        return False
+
+
+def _reached_from_function(function) -> list:
+    reached = [cell for cell in map(_cell_contents, function.__closure__ or ()) if cell is not _EMPTY]
+    reached += list(function.__defaults__ or ())
+    reached += list((function.__kwdefaults__ or {}).values())
+    wrapped = getattr(function, "__wrapped__", None)
+    if wrapped is not None:
+        reached.append(wrapped)
+    return reached
+
+
+_EMPTY = object()  # an empty cell's contents
+
+
+def _cell_contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell (a name not bound yet in its enclosing function)
+        return _EMPTY
+
+
+def _same_items(table: dict, items: dict) -> bool:
+    """A keyword-defaults dict holds the very values it held (identity, no `==` on user objects)."""
+    return table.keys() == items.keys() and not any(map(operator.is_not, map(table.get, items), items.values()))
+
+
+def _partial_state(partial) -> tuple:
+    """(func, args, keywords, a copy of the keywords): the objects themselves, compared by identity."""
+    func, args, keywords = _PARTIAL(partial)
+    return func, args, keywords, dict(keywords) if keywords is not None else None
+
+
+def _why_unreadable(value, stack) -> str | None:
+    """None where `value` is a callable of no state of its own (or torch's / transformers' / the standard
+    library's, whose state is fixed or snapshotted elsewhere); the reason otherwise. A wrapper of the standard
+    library around a function (`functools.lru_cache`) is followed to the function."""
+    if isinstance(value, _STATELESS) or isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        owner = getattr(value, "__self__", None)
+        if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)) and owner is not None and not (
+                isinstance(owner, (types.ModuleType, type)) or _own_type(type(owner))):
+            return f"a builtin bound to a {type(owner).__name__} ({getattr(value, '__qualname__', value)!r})"
+        return None
+    wrapped = getattr(value, "__wrapped__", None)
+    if wrapped is not None and _own_type(type(value)):
+        stack.append(wrapped)
+        return None
+    if _own_type(type(value)):
+        return None
+    return f"a callable {type(value).__module__}.{type(value).__qualname__} whose state the proof cannot read"
+
+
+def _own_type(cls) -> bool:
+    module = getattr(cls, "__module__", "") or ""
+    return module.split(".", 1)[0] in _OWN_PREFIXES

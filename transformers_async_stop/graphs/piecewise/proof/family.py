@@ -1,0 +1,119 @@
+"""Stage 1 of the proof: the model's family, read by hand or found from the model.
+
+A replay runs no Python of the model's forward: every decision the forward makes in Python is baked into the graphs at
+the recording. The proof starts from where the model keeps the modules it cuts the forward at (its decoder layers'
+attention modules) and what else of its forward is decided in Python (`Family`):
+
+- a family read by hand (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2, Gemma 3 text; the sources behind
+  `targets.SHORTCUTS` "piecewise forward (<family>)"), exactly their causal LM and base classes, whose every module
+  class was read with the family; a hand-read family running a class no one read with it (Llama with
+  `hidden_act="gelu"`), or whose sources drifted on a newer release, is proven per recording instead (`auto`);
+- any other transformers causal LM, its layout found from the model (`discover.py`), proven per recording from what
+  it ran (`verdict.py`, docs/design/family-proof.md).
+
+`find(model)` answers (family, None) or (None, why none), and nothing else: what must hold of the model and the call
+is `admission.py`'s (stage 1, continued).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+from ....release_checks.verified import matches, sources_of
+from . import default_deny
+from .discover import family_for
+
+# the modeling module's functions a replay skips, watched for rebinding (those a module does not have are left out)
+_WATCHED_GLOBALS = ("apply_rotary_pos_emb", "rotate_half", "create_causal_mask", "ALL_ATTENTION_FUNCTIONS")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family read for the path: where its attention modules and rotary embedding are, and what else of its
+    forward is decided in Python."""
+
+    name: str
+    module: str  # the modeling module
+    causal_lm: str  # the causal LM class (the base model's class is the `FAMILIES` key)
+    layers: str = "layers"  # the base model's attribute holding its decoder layers
+    attention: str = "self_attn"  # each layer's attention module (the one that calls the cache update)
+    rotary: str | None = "rotary_emb"  # the base model's rotary embedding (None: a learned position table)
+    watched: tuple = _WATCHED_GLOBALS
+    # the base forward starts with `warn_if_padding_and_no_attention_mask` (GPT-2): run before each replay
+    checks_padding: bool = False
+    # each layer's window is its `layer_types` entry (Gemma 3: `sliding_window` is set, used by sliding layers only)
+    windows_by_layer_type: bool = False
+    # found by `discover.py` and proven per recording (`verdict.py`), not read by hand
+    auto: bool = False
+
+    def attentions(self, base, config) -> list:
+        layers = operator.attrgetter(self.layers)(base)  # a dotted path for a nested decoder (OPT's `decoder.layers`)
+        return [getattr(layer, self.attention) for layer in layers[: config.num_hidden_layers]]
+
+
+# base model class -> its family
+FAMILIES = {
+    "LlamaModel": Family("llama", "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
+    "MistralModel": Family("mistral", "transformers.models.mistral.modeling_mistral", "MistralForCausalLM"),
+    "Qwen2Model": Family("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
+    "Qwen3Model": Family("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
+    # fused qkv_proj / gate_up_proj, a partial rotary (static): pieces like Llama's. Its own input preparation is
+    # called at every step by the dynamic-cache loop (`dynamic_loop/eligibility._OWN_INPUTS`)
+    "Phi3Model": Family("phi3", "transformers.models.phi3.modeling_phi3", "Phi3ForCausalLM",
+                        watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask")),
+    # a learned position table (`wpe`, in piece 0) instead of a rotary embedding, Conv1D projections, a fused c_attn
+    # split into q/k/v; cross-attention (an `EncoderDecoderCache`) steps aside
+    "GPT2Model": Family("gpt2", "transformers.models.gpt2.modeling_gpt2", "GPT2LMHeadModel", layers="h",
+                        attention="attn", rotary=None, watched=("create_causal_mask", "ALL_ATTENTION_FUNCTIONS"),
+                        checks_padding=True),
+    # Gemma 3 (text): full-attention layers only (`layer_types`; the released configs' sliding layers keep it off the
+    # dynamic-cache loop), one rope per layer type (each static), q/k norms, a scaled embedding, the final logit
+    # soft-capping in the last piece (a config branch); the sliding mask it also makes is unused by full layers
+    "Gemma3TextModel": Family("gemma3", "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM",
+                              watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask"),
+                              windows_by_layer_type=True),
+}
+# rope types whose frequencies are fixed at init (the `dynamic_rope_update` decorator does nothing for them)
+STATIC_ROPE = frozenset(("default", "linear", "llama3", "yarn"))
+
+
+def base_of(model):
+    return getattr(model, getattr(model, "base_model_prefix", ""), None)
+
+
+
+def family_of(model) -> Family | None:
+    return find(model)[0]
+
+
+def find(model):
+    """(the model's family, None) or (None, why it has none): a hand-read one (`FAMILIES`), else the layout found
+    from the model (`discover.py`), proven per recording."""
+    base = base_of(model)
+    family = FAMILIES.get(type(base).__name__) if base is not None else None
+    if family is not None:
+        # a hand-read family whose model runs a class no one read with it (an activation of another family, Llama
+        # with `hidden_act="gelu"`), or whose sources drifted on a newer release, is proven per recording instead,
+        # where the shared sources are the ones read (elsewhere, an older release, it keeps its own reason)
+        if _read_covers(model, family) or not matches("piecewise shared sources"):
+            return family, None
+        return dataclasses.replace(family, auto=True), None
+    return family_for(model, Family, _WATCHED_GLOBALS)
+
+
+_COVERED: dict = {}  # (family name, the model's module classes) -> every class is read with the family
+
+
+def _read_covers(model, family: Family) -> bool:
+    name = f"piecewise forward ({family.name})"
+    if not matches(name):
+        return False
+    classes = frozenset(map(type, model.modules()))
+    key = (family.name, classes)
+    covered = _COVERED.get(key)
+    if covered is None:
+        if len(_COVERED) >= 64:  # bounded: user classes are not kept alive for good
+            _COVERED.clear()
+        covered = _COVERED[key] = default_deny.classes_read(classes, sources_of(name))
+    return covered
