@@ -11,9 +11,11 @@ time summed over the call; the table gives microseconds per decode step (the med
 CPU caches warm, the lowest over the runs). The garbage collector is off during the timed calls: a collection of the
 whole heap (milliseconds) would otherwise land in whichever check happened to trigger it:
 
-- `PiecewiseForward._why_not_observed`: hook tables, module dicts, training flags, rebound names, modes;
+- `WatchSet.why_eager` (before 2026-11-29: `PiecewiseForward._why_not_observed`): hook tables, module dicts,
+  training flags, rebound names, modes;
 - `PiecewiseForward._step`: the inputs, the mask, the recording key (with `settings.read()`, also shown alone);
-- `ModelGraphs.changed`: the recordings' staleness (entries, classes, ModuleList lengths, `__dict__` sizes, pointers);
+- `ModelGraphs.changed`: the recordings' staleness (entries, classes, ModuleList lengths, `__dict__` sizes, pointers,
+  and since 2026-11-29 the code state of the watched functions);
 - `HookWatch.hooked`: the controller's hook / foreign-module / forward-wrapper check.
 
 To compare two versions of the package on one machine, run this file against each (an older checkout first on
@@ -42,8 +44,13 @@ from transformers_async_stop.testing.emulation import emulated  # noqa: E402
 from transformers_async_stop.undo import module_state  # noqa: E402
 
 # (label, owner, attribute name): the timed functions; a later row runs inside an earlier one where indented
+try:  # the per-step guards: stage 4 of the proof pipeline (an older checkout: the forward's own method)
+    from transformers_async_stop.graphs.piecewise.proof import WatchSet as _GUARDS  # noqa: E402
+    _GUARD = "why_eager"
+except ImportError:  # pragma: no cover (a checkout before 2026-11-29)
+    _GUARDS, _GUARD = forward.PiecewiseForward, "_why_not_observed"
 CHECKS = (
-    ("PiecewiseForward._why_not_observed", forward.PiecewiseForward, "_why_not_observed"),
+    (f"{_GUARDS.__name__}.{_GUARD}", _GUARDS, _GUARD),
     ("PiecewiseForward._step", forward.PiecewiseForward, "_step"),
     ("  of which settings.read", settings, "read"),
     ("ModelGraphs.changed", forward.ModelGraphs, "changed"),

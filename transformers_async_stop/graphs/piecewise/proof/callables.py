@@ -36,6 +36,7 @@ _DEFAULTS = operator.attrgetter("__defaults__")
 _KWDEFAULTS = operator.attrgetter("__kwdefaults__")
 _CLOSURE = operator.attrgetter("__closure__")
 _PARTIAL = operator.attrgetter("func", "args", "keywords")
+_CONTENTS = operator.attrgetter("cell_contents")
 
 
 class CallableState:
@@ -68,30 +69,46 @@ class CallableState:
         self.codes = list(map(_CODE, functions))
         self.defaults = list(map(_DEFAULTS, functions))
         self.kwdefaults = list(map(_KWDEFAULTS, functions))
-        self.kwdefault_items = [dict(table) if table else None for table in self.kwdefaults]
-        self.closures = list(map(_CLOSURE, functions))
-        self.cells = [cell for closure in self.closures if closure for cell in closure]
-        self.contents = list(map(_cell_contents, self.cells))
+        # the keyword-defaults dicts' entries, flat (a dict edited in place is the same object)
+        tables = [table for table in self.kwdefaults if table]
+        self.kw_tables, self.kw_sizes = tables, list(map(len, tables))
+        self.kw_entries = _columns([(table, key, value) for table in tables for key, value in table.items()])
+        # `__closure__` itself is read-only: its cells' contents are what can be rebound
+        cells = [cell for closure in map(_CLOSURE, functions) if closure for cell in closure]
+        # filled cells compared from C (`cell_contents` raises on an emptied one: a change); empty ones apart
+        self.cells = [cell for cell in cells if _cell_contents(cell) is not _EMPTY]
+        self.contents = list(map(_CONTENTS, self.cells))
+        self.empty_cells = [cell for cell in cells if _cell_contents(cell) is _EMPTY]
         self.partials = partials
         self.partial_state = [_partial_state(partial) for partial in partials]
 
     def changed(self) -> bool:
+        """Whether any of it moved since (before every replay: C-level maps over flat lists)."""
         functions = self.functions
-        if (any(map(operator.is_not, map(_CODE, functions), self.codes))
-                or any(map(operator.is_not, map(_DEFAULTS, functions), self.defaults))
-                or any(map(operator.is_not, map(_KWDEFAULTS, functions), self.kwdefaults))
-                or any(map(operator.is_not, map(_CLOSURE, functions), self.closures))
-                or any(map(operator.is_not, map(_cell_contents, self.cells), self.contents))):
-            return True
-        for table, items in zip(self.kwdefaults, self.kwdefault_items):
-            if table is not None and not _same_items(table, items):
+        try:
+            if (any(map(operator.is_not, map(_CODE, functions), self.codes))
+                    or any(map(operator.is_not, map(_DEFAULTS, functions), self.defaults))
+                    or any(map(operator.is_not, map(_KWDEFAULTS, functions), self.kwdefaults))
+                    or any(map(operator.is_not, map(_CONTENTS, self.cells), self.contents))):
                 return True
+        except ValueError:  # a cell emptied since (`del` of the enclosing function's variable)
+            return True
+        tables, keys, values = self.kw_entries
+        if list(map(len, self.kw_tables)) != self.kw_sizes or any(
+                map(operator.is_not, map(dict.get, tables, keys), values)):
+            return True
+        if self.empty_cells and any(_cell_contents(cell) is not _EMPTY for cell in self.empty_cells):
+            return True
         for partial, (func, args, keywords, items) in zip(self.partials, self.partial_state):
             now = _PARTIAL(partial)
             if now[0] is not func or now[1] is not args or now[2] is not keywords or (
                     keywords is not None and not _same_items(keywords, items)):
                 return True
         return False
+
+
+def _columns(entries) -> tuple:
+    return tuple(map(list, zip(*entries))) if entries else ([], [], [])
 
 
 def _reached_from_function(function) -> list:
