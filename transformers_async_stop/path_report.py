@@ -60,6 +60,9 @@ class CallPath:
     # (`loops/assisted/acceptance_graph.py`); None elsewhere
     acceptance: str | None = dataclasses.field(default=None, compare=False)
     notice: str | None = None  # this transformers release was not checked: the fast paths off (`release_notice`)
+    # the dynamic-cache loop's decode steps on CUDA at a key/value length this thread had not met: "12 new of 127"
+    # (`loops/dynamic_loop/kv_lengths.py`: each costs a cuDNN plan, in stock too); None elsewhere
+    attention_lengths: str | None = dataclasses.field(default=None, compare=False)
 
     def describe(self) -> str:
         """One line: "deferred, static loop, tail captured (2 graphs)", "deferred, dynamic loop, forward graphed
@@ -206,6 +209,13 @@ def dynamic_loop() -> None:
     report = _current()
     if report is not None and report.path == "deferred":
         report.loop = "dynamic"
+
+
+def attention_lengths(text: str) -> None:
+    """The dynamic-cache loop's count of new key/value lengths (`kv_lengths.Meter`)."""
+    report = _current()
+    if report is not None:
+        report.attention_lengths = text
 
 
 def static_loop(captured: bool, graphs: int, left: str | None = None) -> None:

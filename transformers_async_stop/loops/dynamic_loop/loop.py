@@ -30,6 +30,7 @@ from ...undo.cache_rollback import StepSnapshot, holds_sliding_layers, rollback_
 from ...control.step_lists import fold_criteria
 from . import prefill
 from .inputs import DecodeInputs
+from .kv_lengths import meter_for
 
 
 def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
@@ -58,6 +59,7 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
     # stock's `_prefill`, except an assistant's two-token prefill of each assisted round after the first, which goes
     # through the piecewise forward too (`prefill.py`)
     outputs = prefill.run(model, input_ids, generation_config, model_kwargs, graphed)
+    meter = meter_for(model, input_ids) if not generation_config.is_assistant else None
     step_inputs = None  # made at the first decode step; None while stock prepares the inputs
     first = True
     # a returned cache with sliding-window layers: its layers as they were before each decode step's forward, the
@@ -82,6 +84,8 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
                             snapshot = StepSnapshot(cache) if holds_sliding_layers(cache) else None
                         if snapshot is not None:
                             snapshot.save()
+                    if meter is not None:
+                        meter.step(input_ids.shape[1])  # the step's key/value length: the cache's and this token
                     outputs = forward(**model_inputs, return_dict=True)
                 if step_inputs is None:
                     # the prefill's, and every step's where the inputs are stock's: the patched update also plans
@@ -123,7 +127,9 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
         if ctl.overran:
             _give_back_extra_forward(ctl, model_kwargs, snapshot)
         raise
-
+    finally:
+        if meter is not None:
+            path_report.attention_lengths(meter.text())
     if ctl.finish():
         _give_back_extra_forward(ctl, model_kwargs, snapshot)
     if streamer is not None:
