@@ -94,6 +94,17 @@ class EmulatedGraph(unittest.TestCase):
         second.replay()  # a replay of the later graph writes its tensors again, and touches no earlier one's
         self.assertTrue(torch.equal(kept, torch.full((3,), 3.0)))
 
+    def test_a_capture_into_a_pool_whose_graphs_are_gone_fails_as_on_cuda(self):
+        x = torch.ones(3)
+        first, _ = _captured(lambda: x * 2.0)
+        pool = first.pool()
+        del first
+        import gc
+
+        gc.collect()
+        with self.assertRaisesRegex(RuntimeError, "use_count"):
+            Graph().capture_begin(pool=pool)
+
     def test_graphs_of_different_pools_do_not_overwrite_each_other(self):
         x = torch.ones(3)
         first, _ = _captured(lambda: x * 2.0)

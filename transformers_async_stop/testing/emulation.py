@@ -22,9 +22,11 @@ would never run it. Inside `with emulated():` it runs on CPU models too, through
   emulation makes that overwrite certain: each replay poisons (NaN, or a negative integer) every live tensor that a
   later capture of its pool made, the graph gone or not. Code that reads a replay's output after another graph of
   the pool replayed (an output handed to the caller and kept, such as scores aliasing a verify forward's logits)
-  fails here as it would on CUDA only by chance (issue 43, item 1).
+  fails here as it would on CUDA only by chance (issue 43, item 1). A capture into a pool whose graphs are all gone
+  fails, as CUDA's allocator asserts (it released the pool).
 
-What it cannot show: the other CUDA-only faults (stream ordering, kernel choice). Those stay for the CUDA tests. Never on outside tests: `active()` is false unless a test entered `emulated()`.
+What it cannot show: the other CUDA-only faults (stream ordering, kernel choice). Those stay for the CUDA tests.
+Never on outside tests: `active()` is false unless a test entered `emulated()`.
 """
 
 from __future__ import annotations
@@ -147,6 +149,8 @@ class _Pool:
 
     def __init__(self):
         self.made: list = []  # per capture, in order: weak references to the tensors it made
+        # the graphs captured into it: CUDA releases a pool once none is left, and a capture into it then asserts
+        self.graphs: "weakref.WeakSet" = weakref.WeakSet()
 
     def poison_after(self, index: int) -> None:
         """What a replay of the pool's `index`-th capture may overwrite: every live tensor a later capture made."""
@@ -211,7 +215,11 @@ class Graph:
         # `pool`: another graph's `pool()` (shared memory, as `torch.cuda.graph(pool=...)`), or None for a new one
         if pool is not None and not isinstance(pool, _Pool):
             raise TypeError(f"emulated CUDA graph: pool={pool!r} is not an emulated graph's pool()")
+        if pool is not None and not len(pool.graphs):
+            raise RuntimeError("emulated CUDA graph: a capture into a pool whose graphs are all gone (CUDA has "
+                               "released it: `it->second->use_count > 0` INTERNAL ASSERT FAILED)")
         self._pool = pool if pool is not None else _Pool()
+        self._pool.graphs.add(self)
         made: list = []
         self._index = len(self._pool.made)
         self._pool.made.append(made)

@@ -172,9 +172,13 @@ class PiecewiseForward:
         watch, why = proof.watch_for(self.family)  # stage 2
         if why is not None:
             return self._eager(why, inputs)
+        # the memory pool of the recordings kept, shared by a new one (replayed in any order: their outputs are
+        # copied or consumed before another replay, `Recording.output`); with none kept its graphs are gone, and CUDA
+        # has released the pool (a capture into it asserts): a new one then
+        pool = graphs.pool if graphs.recordings else None
         try:
             made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
-                          "sdpa", graphs.pool, mask_module, watch=watch)
+                          "sdpa", pool, mask_module, watch=watch)
         except NotRecordable as error:
             graphs.sizes = list(map(len, graphs.dicts))  # what transformers' forward set on its modules meanwhile
             return self._eager(self._failed(key, f"not recordable: {error}"), inputs)
