@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import types
 import unittest
 from unittest import mock
 
@@ -117,12 +118,12 @@ class ReplaysFollowTheCode(unittest.TestCase):
                 line = "    return torch.cat((-x2, x1), dim=-1)\n"
                 self.assertIn(line, text)
                 edited = text.replace(line, "    return torch.cat((-x2, x1), dim=-1) * SETTINGS['scale']\n", 1)
-                scope = {"__name__": module.__name__}
-                exec(compile(edited, module.__file__, "exec"), scope)
+                # the edited `rotate_half`'s code object, made a function of the module itself (its own globals)
+                code = next(const for const in compile(edited, module.__file__, "exec").co_consts
+                            if getattr(const, "co_name", None) == "rotate_half")
                 settings = {"scale": 1.0}
-                with self._installed(family, "rotate_half", scope["rotate_half"]), \
+                with self._installed(family, "rotate_half", types.FunctionType(code, vars(module), "rotate_half")), \
                         mock.patch.dict(vars(module), {"SETTINGS": settings}):
-                    scope["SETTINGS"] = settings
                     why = self._same(model, lambda call: settings.update(scale=1.0 + call / 2))
                 self.assertIn("not the code its file's text compiles to", why)
 

@@ -57,6 +57,9 @@ def forward_for(model, model_forward, generation_config, verify=False):
     graphs = graphs_of(model)
     # a model recorded and unchanged since (its snapshot compared, as before every replay) was proven then: only what
     # a call can change is asked again (an assistant's draft is a call per round)
+    if graphs.recordings and graphs.registrations_changed():
+        graphs.clear()  # a kernel registered in place of another since: every recording may hold the old one
+        graphs.first_runs.clear()
     unchanged = bool(graphs.recordings) and not graphs.changed()
     why = why_not_again(model, model_forward, graphs) if unchanged else why_not_model(model, model_forward)
     if why is not None:

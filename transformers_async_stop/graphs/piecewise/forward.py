@@ -77,6 +77,7 @@ class PiecewiseForward:
         # key -> why its recording failed in this call: tried again at a later call once what it ran changed, not in
         # this one (a model whose own eager steps change what it ran would record again at every step)
         self.failed_here: dict = {}
+        self.stale = 0  # steps of this call that found the model's snapshot changed
         self.replayed = self.eager_steps = 0
         self.last_eager = None
 
@@ -118,6 +119,13 @@ class PiecewiseForward:
             proof.base_of(self.model).warn_if_padding_and_no_attention_mask(inputs["input_ids"], None)
         graphs = self.graphs
         if (graphs.recordings or graphs.failed or graphs.first_runs) and graphs.changed():
+            self.stale += 1
+            if self.stale > 2:
+                # the model changes at every step (a processor setting a config field, a schedule): recording again
+                # at each would cost a capture and a proof per step and never replay (red team of the proof pipeline,
+                # hole 8)
+                self.off = f"the model changed at {self.stale} steps of this call (the rest of it runs eagerly)"
+                return self._eager(self.off, inputs)
             # weights replaced or moved, an attribute rebound, code changed: every recording of this model is stale,
             # and a recording that failed is tried again (what made it fail may be what changed: issue 43, retry)
             graphs.clear()
@@ -199,7 +207,10 @@ class PiecewiseForward:
             # item 1: the recording not kept below returned its buffer, and the next round's replay overwrote it)
             outputs = recording.output(cache_kwarg.get(inputs), fresh_logits=True)
         if watch is not None:
-            why = self._unproven(key, watch)  # stage 3, and stage 4's additions
+            # the position the recording ran at (the cache's length before this step: a host int): a confirmation
+            # must come from another one (a second call with the same prompt records at the same position)
+            position = cache_kwarg.get(inputs).get_seq_length() - key[1]
+            why = self._unproven(key, watch, position)  # stage 3, and stage 4's additions
             if why is not None:
                 # the step's outputs are the forward's own (its kernels ran once, as eagerly): the recording is not kept
                 self.eager_steps += 1
@@ -210,14 +221,14 @@ class PiecewiseForward:
         _evict(graphs.recordings, key)
         return self._replayed(outputs)
 
-    def _unproven(self, key, watch) -> str | None:
+    def _unproven(self, key, watch, position) -> str | None:
         """Why the recording just made is not kept (None: it is). A recording that ran a function proven only by the
         rules is kept once a second one, at a later position, ran the same ops (the first's are remembered meanwhile).
         What the run looked up by name is watched from now on, kept or not: a change to it tries a failed proof
         again."""
         graphs = self.graphs
         verdict = proof.judge_recording(watch, self.family)
-        graphs.watch(verdict.names, verdict.registries)
+        graphs.watch(verdict.names, verdict.registries, verdict.functions)
         if verdict.why is not None:
             return self._failed(key, f"not proven: {verdict.why}")
         why = graphs.code.unreadable
@@ -225,13 +236,16 @@ class PiecewiseForward:
             return self._failed(key, f"not proven: {why}")
         if not verdict.checked:
             return None
-        first = graphs.first_runs.pop(key, None)
-        if first is None:
-            graphs.first_runs[key] = watch.ops
+        first = graphs.first_runs.get(key)
+        if first is None or first[0] == position:
+            # the first recording of the key, or one at the very position of the first: a decision that moves with
+            # the position would look the same (red team of the proof pipeline; tests/test_found_family_recordings)
+            graphs.first_runs[key] = (position, watch.ops)
             while len(graphs.first_runs) > MAX_KEYS + MAX_WIDE:
                 del graphs.first_runs[next(iter(graphs.first_runs))]
             return f"recorded once, to be confirmed at the next position ({len(verdict.checked)} functions checked)"
-        difference = proof.first_difference(first, watch.ops)
+        del graphs.first_runs[key]
+        difference = proof.first_difference(first[1], watch.ops)
         if difference is not None:
             return self._failed(key, f"not proven: two positions ran different ops: {difference}")
         return None

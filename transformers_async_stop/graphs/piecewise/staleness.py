@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
+import types
 import itertools
 import operator
 import threading
@@ -21,6 +23,7 @@ import weakref
 
 import torch
 
+from .proof import kernels
 from .proof.callables import CallableState
 
 _STORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -30,6 +33,8 @@ _TENSORS = (torch.Tensor, torch.nn.Parameter)
 _ATOMS = (str, int, float, bool, bytes, type(None))
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 _PLAIN_TABLES = (dict, collections.OrderedDict)
+# the objects found under a name whose code state is followed (`proof/callables.py`)
+_FOLLOWED = (types.FunctionType, types.MethodType, functools.partial, property, classmethod, staticmethod)
 # the fallback's geometry (`_guard` without torch's tensor guard): shape and dtype in one C-level getter, stride apart
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
@@ -75,7 +80,11 @@ class ModelGraphs:
         self.functions: list = []  # (namespace, name, object): the torch names the replayed Python looks up
         # the code of every function the replay skips, and the callables it holds (`proof/callables.py`)
         self.code_roots: list = []
+        self.known_modules: list = []
         self.code = CallableState(())
+        self.impls = self.impls_size = self.impls_copy = None
+        self.host_tensors: list = []
+        self.host_values: list = []
         self._functions: list = []  # `functions` by their namespace's type: (its `get`, three lists)
         self._columns: tuple = ([], [], [])  # `entries` as three lists
         self.root, self.root_class = _NO_MODEL, None  # the model (a weak reference) and its class, as recorded
@@ -134,7 +143,7 @@ class ModelGraphs:
             # the hook tables as objects: the per-step check reads the tables it found (`PiecewiseForward._watch`), so
             # one replaced by another (`m._forward_hooks = OrderedDict(...)`) would go unseen
             entries += [(module.__dict__, name, module.__dict__.get(name)) for name in _HOOK_TABLES]
-        attributes, config_dicts = _attribute_entries(model)
+        attributes, config_dicts, config_classes = _attribute_entries(model)
         entries += attributes
         # a tensor held as a plain attribute (a weight swapped in with `del m.weight; m.weight = t`) is read by the
         # replay at its recorded address, as a parameter is: `t.data = x` keeps the object and moves its storage
@@ -161,15 +170,40 @@ class ModelGraphs:
         # names it (red team of the proof-once cut, hole 1)
         self.dicts += [vars(klass) for klass in dict.fromkeys(
             klass for cls in {self.root_class, *self.classes} for klass in cls.__mro__ if klass is not object)]
+        # the configs' classes too: every config read goes through `PreTrainedConfig.__getattribute__`, which reads
+        # the class (its `attribute_map`, a property set on it): an attribute added there, or one rebound, is what
+        # stock's next forward reads (red team of the proof pipeline, hole 6)
+        config_tables = [vars(klass) for klass in dict.fromkeys(
+            klass for cls in config_classes for klass in cls.__mro__ if klass is not object)]
+        self.dicts += config_tables
+        config_entries = [(table, name, value) for table in config_tables for name, value in table.items()]
+        self.contents += [table["attribute_map"] for table in config_tables
+                          if type(table.get("attribute_map")) is dict and _plain(table["attribute_map"])]
+        self.copies = copy.deepcopy(self.contents)
         self.sizes = list(map(len, self.dicts))
         # the torch names the replayed Python looks up, and torch's module internals every module call runs
         # (`Module._call_impl`, `__getattr__`...: rebound mid-call, stock's later steps run the new code)
-        self.functions = list(functions)
+        self.functions = list(functions) + config_entries
         # and the code behind every name a replay skips, with the callables held as plain attributes of the modules
         # (a `functools.partial` activation set on a module: its keywords are compared, issue 43 hole 5)
-        self.code_roots = [*code_roots, *(value for _, _, value in attributes if callable(value)
-                                          and not isinstance(value, (torch.nn.Module, torch.Tensor)))]
-        self.code = CallableState(self.code_roots)
+        # (and torch's own Python functions among those names: their code replaced in place is what stock runs, red
+        # team of the proof pipeline, hole 1)
+        self.code_roots = [*(value for value in code_roots if type(value) in _FOLLOWED),
+                           *(value for _, _, value in self.functions if type(value) in _FOLLOWED),
+                           *(value for _, _, value in attributes if callable(value)
+                             and not isinstance(value, (torch.nn.Module, torch.Tensor)))]
+        self.known_modules = every
+        self.code = CallableState(self.code_roots, self.known_modules)
+        # the kernels registered through `torch.library` (`proof/kernels.py`): one registered or taken out after the
+        # recording is what stock's next forward runs (red team of the proof pipeline, holes 5 and 7)
+        self.impls = kernels.registrations()
+        self.impls_size = len(self.impls) if self.impls is not None else None
+        self.impls_copy = frozenset(self.impls) if self.impls is not None else None
+        # a CPU tensor a CUDA model's forward reads (a 0-dim scale set as an attribute) is read on the host at the
+        # capture, as a scalar: its value is baked in, so its value is compared (a CPU model's replay reads it anew)
+        device = next((tensor.device for tensor in tensors if tensor.device.type != "cpu"), None)
+        self.host_tensors = [tensor for tensor in tensors if tensor.device.type == "cpu"] if device else []
+        self.host_values = [tensor.detach().clone() for tensor in self.host_tensors]
         self._columns = _columns(entries)
         # a module's dict or a class's (a mappingproxy): each kind's own `get`, mapped from C
         kinds: dict = {}
@@ -197,6 +231,11 @@ class ModelGraphs:
         self.instance_keys = list(_chain(self.instances))
         self.instance_values = list(_chain(map(dict.values, self.instances)))
 
+    def registrations_changed(self) -> bool:
+        """The kernels registered through `torch.library` are not the set of the snapshot (asked once per call: a
+        registration taken out and another made between two calls leaves the count `changed` compares)."""
+        return self.impls is not None and self.impls != self.impls_copy
+
     def same_instances(self) -> bool:
         """Every module's `__dict__`, and its children, parameter and buffer tables, hold the very keys and values
         they held as proven (`snapshot`): identity only, no `==` (a value's `__eq__` is user code, or a
@@ -213,7 +252,7 @@ class ModelGraphs:
         except RuntimeError:  # a table resized while compared (another thread): not the one proven
             return False
 
-    def watch(self, entries, registries) -> None:
+    def watch(self, entries, registries, functions=()) -> None:
         """Compare these too before every replay, until the next snapshot: the names the code a proven recording ran
         looks up ((namespace dict, name, object), `proof/verdict.py`) and the registries it read (by their contents),
         and the code state of the functions among them and in the registries (`proof/callables.py`). Asked for a
@@ -232,11 +271,16 @@ class ModelGraphs:
             if not any(registry is seen for seen in self.contents):
                 self.contents.append(registry)
                 self.copies.append(dict(registry.items()))
-        roots = [value for _, _, value in fresh if callable(value)]
+        # the functions among the names (their code state; a name is any the code mentions, an attribute's too, so
+        # other objects under them are compared by identity only), the registries' functions, and the functions and
+        # globals the verdict found the run calling (`proof/verdict.py`)
+        roots = [value for _, _, value in fresh if type(value) in _FOLLOWED]
         roots += [value for registry in registries for value in registry.values() if callable(value)]
+        known = {id(root) for root in self.code_roots}
+        roots += [function for function in functions if id(function) not in known]
         if roots:
             self.code_roots = self.code_roots + roots
-            self.code = CallableState(self.code_roots)
+            self.code = CallableState(self.code_roots, self.known_modules)
 
     def changed(self) -> bool:
         # checked before every replay: C-level maps over the flat lists (a few tens of microseconds for a 1B model)
@@ -257,6 +301,10 @@ class ModelGraphs:
             return True  # a config's list or dict edited in place
         if self.code.changed():
             return True  # a function's code, defaults or closure, or a partial's arguments (issue 43, holes 4, 5)
+        if self.impls is not None and len(self.impls) != self.impls_size:
+            return True  # a kernel registered or taken out through `torch.library`
+        if self.host_tensors and not all(map(torch.equal, self.host_tensors, self.host_values)):
+            return True  # a host scalar the capture read, edited in place
         tensors = self.tensors
         if list(map(torch.Tensor.data_ptr, tensors)) != self.pointers:
             return True
@@ -317,7 +365,7 @@ def _attribute_entries(model) -> list:
     code that rebinds one, between calls or from a criterion mid-call, makes the recordings stale, as stock reads the
     new value at its next forward. Compared by identity (a rebinding to an equal value only records again), and
     containers also by their contents (`ModelGraphs.contents`). Also the configs' `__dict__`s (a field added)."""
-    entries, configs, seen, dicts = [], {}, set(), []
+    entries, configs, seen, dicts, classes = [], {}, set(), [], []
     for module in model.modules():
         table = module.__dict__
         for name, value in table.items():
@@ -333,11 +381,12 @@ def _attribute_entries(model) -> list:
         seen.add(key)
         table = config.__dict__
         dicts.append(table)
+        classes.append(type(config))
         for name, value in table.items():
             entries.append((table, name, value))
             if type(value).__module__.startswith("transformers") and hasattr(value, "to_dict"):
                 configs[id(value)] = value
-    return entries, dicts
+    return entries, dicts, classes
 
 
 def graphs_of(model) -> ModelGraphs:

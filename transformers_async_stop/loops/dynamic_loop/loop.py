@@ -53,11 +53,15 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
         if model._valid_auto_compile_criteria(model_kwargs, generation_config)
         else model.__call__
     )
-    # the decode steps' forward: replayed from CUDA graphs piece by piece where `piecewise` proves it exact
-    graphed = piecewise.forward_for(model, model_forward, generation_config)
+    # the decode steps' forward: replayed from CUDA graphs piece by piece where `piecewise` proves it exact. An
+    # assistant's is made here: its two-token prefill of each assisted round after the first goes through it too
+    # (`prefill.py`); any other call's is made inside `_optimize_model_for_decode` below, the state its decode steps
+    # run in (a MoE switched to `batched_mm` there: made outside, its recordings' snapshot would differ at every
+    # call's start, and the model be proven again in full each time; tests/test_found_family_recordings.py)
+    graphed = piecewise.forward_for(model, model_forward, generation_config) if generation_config.is_assistant \
+        else None
     forward = graphed or model_forward
-    # stock's `_prefill`, except an assistant's two-token prefill of each assisted round after the first, which goes
-    # through the piecewise forward too (`prefill.py`)
+    # stock's `_prefill`, except an assistant's two-token prefill of each assisted round after the first
     outputs = prefill.run(model, input_ids, generation_config, model_kwargs, graphed)
     meter = meter_for(model, input_ids) if not generation_config.is_assistant else None
     step_inputs = None  # made at the first decode step; None while stock prepares the inputs
@@ -67,6 +71,9 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
     snapshot = None
     try:
         with model._optimize_model_for_decode():
+            if not generation_config.is_assistant:
+                graphed = piecewise.forward_for(model, model_forward, generation_config)
+                forward = graphed or model_forward
             while True:
                 if outputs is None:  # a decode step (the prefill's outputs are the first step's)
                     if step_inputs is not None:

@@ -27,8 +27,7 @@ import torch
 
 # callables with no state of their own beyond their identity (a builtin of a module, a class, a slot wrapper...)
 _STATELESS = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
-              types.MethodWrapperType, types.MethodDescriptorType, types.ClassMethodDescriptorType, type,
-              torch.nn.Module)
+              types.MethodWrapperType, types.MethodDescriptorType, types.ClassMethodDescriptorType, type)
 _OWN_PREFIXES = ("torch", "transformers", "functools", "builtins", "operator", "typing", "collections", "enum")
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 _CODE = operator.attrgetter("__code__")
@@ -42,29 +41,64 @@ _CONTENTS = operator.attrgetter("cell_contents")
 class CallableState:
     """What the roots' code and bound values are now; `changed()` says whether any of it moved since."""
 
-    def __init__(self, roots):
+    def __init__(self, roots, known_modules=()):
+        """`known_modules`: the model's modules, whose state the model's snapshot compares; any other module a
+        callable holds (a partial of a `Softplus`, a bound method of a module outside the model) is taken here: its
+        attributes, parameters, buffers and children by identity, its class, its tensors' storage."""
         self.unreadable: str | None = None
-        functions, partials, seen = [], [], set()
+        known = {id(module) for module in known_modules}
+        functions, partials, tensors, seen = [], [], [], set()
+        outside, entries, sized, seen_modules = [], [], [], set()
         stack = list(roots)
         while stack:
             value = stack.pop()
             if id(value) in seen or isinstance(value, _ATOMS):
                 continue
             seen.add(id(value))
-            if isinstance(value, types.FunctionType):
+            kind = type(value)
+            if kind is types.FunctionType:
                 functions.append(value)
                 stack += _reached_from_function(value)
-            elif isinstance(value, types.MethodType):
+            elif kind is types.MethodType:
+                # a method's object is state its code reads: a module (snapshotted), a class, or refused
                 stack.append(value.__func__)
-            elif isinstance(value, functools.partial):
+                owner = value.__self__
+                if isinstance(owner, torch.nn.Module):
+                    stack.append(owner)
+                else:
+                    self._note(_why_unbound(owner))
+            elif kind is functools.partial:
                 partials.append(value)
                 stack += [value.func, *value.args, *(value.keywords or {}).values()]
-            elif isinstance(value, (classmethod, staticmethod, property)):
+            elif kind in (classmethod, staticmethod, property):
                 stack += [getattr(value, "__func__", None) or value.fget]
-            elif isinstance(value, (tuple, list, frozenset, set)) and len(value) < 64:
+            elif kind in (tuple, list, frozenset, set) and len(value) < 64:
                 stack += list(value)
-            elif callable(value) and self.unreadable is None:
-                self.unreadable = _why_unreadable(value, stack)
+            elif isinstance(value, torch.Tensor):
+                tensors.append(value)  # read at its address by a replay: `t.data = x` moves it
+            elif isinstance(value, torch.nn.Module):
+                if id(value) not in known:
+                    # a module outside the model (a partial of a `Softplus`, a module-level activation instance):
+                    # its state is taken here, as the model's snapshot takes the model's (red team of the proof
+                    # pipeline, hole 3)
+                    for module in value.modules():
+                        if id(module) in known or id(module) in seen_modules:
+                            continue
+                        seen_modules.add(id(module))
+                        outside.append(module)
+                        tables = (module.__dict__, module._parameters, module._buffers, module._modules)
+                        entries += [(table, name, item) for table in tables for name, item in table.items()]
+                        sized += tables
+                        tensors += [item for table in tables[1:3] for item in table.values() if item is not None]
+                        stack.append(type(module).forward)
+            elif callable(value):
+                self._note(_why_unreadable(value, stack))
+        self.outside, self.classes = outside, list(map(type, outside))
+        self.entries = _columns(entries)
+        self.sized, self.sizes = sized, list(map(len, sized))
+        self.tensors = tensors
+        self.pointers = list(map(torch.Tensor.data_ptr, tensors))
+        self.geometry = [(tensor.shape, tensor.stride(), tensor.dtype) for tensor in tensors]
         self.functions = functions
         self.codes = list(map(_CODE, functions))
         self.defaults = list(map(_DEFAULTS, functions))
@@ -82,8 +116,20 @@ class CallableState:
         self.partials = partials
         self.partial_state = [_partial_state(partial) for partial in partials]
 
+    def _note(self, why) -> None:
+        if why is not None and self.unreadable is None:
+            self.unreadable = why
+
     def changed(self) -> bool:
         """Whether any of it moved since (before every replay: C-level maps over flat lists)."""
+        if self.outside:
+            tables, names, values = self.entries
+            if (list(map(type, self.outside)) != self.classes or list(map(len, self.sized)) != self.sizes
+                    or any(map(operator.is_not, map(dict.get, tables, names), values))):
+                return True
+        if self.tensors and (list(map(torch.Tensor.data_ptr, self.tensors)) != self.pointers or [
+                (tensor.shape, tensor.stride(), tensor.dtype) for tensor in self.tensors] != self.geometry):
+            return True
         functions = self.functions
         try:
             if (any(map(operator.is_not, map(_CODE, functions), self.codes))
@@ -142,6 +188,15 @@ def _partial_state(partial) -> tuple:
     return func, args, keywords, dict(keywords) if keywords is not None else None
 
 
+def _why_unbound(owner) -> str | None:
+    """Why the object a method is bound to cannot be read (None: it can; a module is followed by the caller)."""
+    if isinstance(owner, (type, types.ModuleType)) or isinstance(owner, _ATOMS):
+        return None
+    if _own_type(type(owner)):
+        return None
+    return f"a method bound to a {type(owner).__module__}.{type(owner).__qualname__} whose state the proof cannot read"
+
+
 def _why_unreadable(value, stack) -> str | None:
     """None where `value` is a callable of no state of its own (or torch's / transformers' / the standard
     library's, whose state is fixed or snapshotted elsewhere); the reason otherwise. A wrapper of the standard
@@ -158,6 +213,7 @@ def _why_unreadable(value, stack) -> str | None:
         return None
     if _own_type(type(value)):
         return None
+    # a subclass of one of theirs included (a `functools.partial` subclass given its own `__call__`)
     return f"a callable {type(value).__module__}.{type(value).__qualname__} whose state the proof cannot read"
 
 

@@ -120,3 +120,61 @@ def _full(cell) -> bool:
     except ValueError:
         return False
     return True
+
+
+def functions_of(modules: dict):
+    """`modules`: code object -> the module whose globals it ran with (`watch.RunWatch.modules`). The functions that
+    hold those code objects, found in their modules' namespaces (module functions, class members along decorators'
+    wrappers), and the first code object that none holds and that is no nested function of one that is held (its
+    code state could change unwatched: red team of the proof pipeline, hole 1), or None."""
+    held: dict = {}
+    for name in set(modules.values()):
+        owner = sys.modules.get(name)
+        if owner is not None:
+            held.update(_module_functions(owner))
+    functions = {id(held[code]): held[code] for code in modules if code in held}
+    # a nested function's code is fixed by the code of the function it is defined in (a constant of it): a wrapper a
+    # decorator or a metaclass makes (5.24's `_BCCacheNameMeta` wraps each output type's `__init__`) is one
+    nested = set()
+    stack = list(held)
+    while stack:
+        code = stack.pop()
+        for const in code.co_consts:
+            if hasattr(const, "co_code") and const not in nested:
+                nested.add(const)
+                stack.append(const)
+    unresolved = next((code for code in modules if code not in held and code not in nested), None)
+    return list(functions.values()), unresolved
+
+
+def _module_functions(module) -> dict:
+    """code object -> function, for the functions of `module`'s namespace and of the classes it defines (properties,
+    class and static methods included), through decorators' wrappers (`__wrapped__`, closure cells)."""
+    found: dict = {}
+    stack = []
+    for value in list(vars(module).values()):
+        if isinstance(value, type) and value.__module__ == module.__name__:
+            stack += list(vars(value).values())
+        else:
+            stack.append(value)
+    seen = set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, property):
+            stack += [value.fget, value.fset, value.fdel]
+            continue
+        if isinstance(value, (classmethod, staticmethod)):
+            stack.append(value.__func__)
+            continue
+        code = getattr(value, "__code__", None)
+        if code is None or not hasattr(value, "__closure__"):
+            continue
+        found.setdefault(code, value)
+        stack += [cell.cell_contents for cell in value.__closure__ or () if _full(cell)]
+        wrapped = getattr(value, "__wrapped__", None)
+        if wrapped is not None:
+            stack.append(wrapped)
+    return found

@@ -13,6 +13,7 @@ and a replay never does:
 
 from __future__ import annotations
 
+import builtins
 import sys
 
 import torch
@@ -91,6 +92,13 @@ def torch_entries(names) -> list:
     names.update(_TENSOR_OPERATORS)
     entries += [(tensor_table, name, tensor_table.get(name)) for name in names if hasattr(base, name)]
     return entries
+
+
+def builtin_entries(names) -> list:
+    """(builtins' namespace, name, object) for each of `names` that is a builtin (`getattr`, `isinstance`...): one
+    rebound in `builtins` is what stock's next forward calls (red team of the proof pipeline)."""
+    table = vars(builtins)
+    return [(table, name, table[name]) for name in set(names) if name in table and callable(table[name])]
 
 
 _TENSOR_OPERATORS = tuple(f"__{op}__" for op in (

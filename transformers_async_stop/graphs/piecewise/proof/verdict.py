@@ -21,12 +21,15 @@ compared before every replay, kept or not (a failed proof is tried again once th
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import dis
+import functools
 import sys
 
 from ....release_checks.verified import matches, sources_of
-from . import identity, normal_form, rules
-from .names import patched_targets, torch_entries
+from . import identity, kernels, normal_form, rules
+from .names import builtin_entries, patched_targets, torch_entries
 
 
 @dataclasses.dataclass
@@ -37,6 +40,8 @@ class Verdict:
     # (namespace dict, name, object) entries, and the registries they read
     names: list = dataclasses.field(default_factory=list)
     registries: list = dataclasses.field(default_factory=list)
+    # the functions whose code ran, whose code state is compared before every replay (`callables.CallableState`)
+    functions: list = dataclasses.field(default_factory=list)
 
 
 # the namespaces of the ops a recording may hold: ATen's and its primitives' (any other is a custom op, whose kernel is
@@ -53,11 +58,15 @@ def judge(watch, family, read: frozenset) -> Verdict:
     held = [*(value for _, _, value in names), *(value for values in watch.closures.values()
                                                for value in values.values())]
     registries = [value for value in {id(value): value for value in held}.values() if rules.is_registry(value)]
-    why = _why_foreign(watch)
+    functions, unresolved = identity.functions_of(watch.modules)
+    functions += _globals_loaded(watch)
+    why = _why_foreign(watch) or (
+        f"transformers code ran that no function the proof watches holds: {watch.modules.get(unresolved)}."
+        f"{_qualname(unresolved)}" if unresolved is not None else None)
     if why is not None:
-        return Verdict(why, names=names, registries=registries)
+        return Verdict(why, names=names, registries=registries, functions=functions)
     if not family.auto:
-        return Verdict(None, names=names, registries=registries)
+        return Verdict(None, names=names, registries=registries, functions=functions)
     prefix = normal_form.family_prefix(family.causal_lm)
     nodes: dict = {}  # id(def) -> (def, module, lines)
     for code, lines in watch.lines.items():
@@ -65,7 +74,7 @@ def judge(watch, family, read: frozenset) -> Verdict:
         module = watch.modules.get(code, "")
         if node is None:
             return Verdict(f"transformers code without a readable source ran: {module}.{_qualname(code)}", names=names,
-                           registries=registries)
+                           registries=registries, functions=functions)
         entry = nodes.setdefault(id(node), (node, module, set(), code))
         entry[2].update(lines)
     checked = []
@@ -77,9 +86,9 @@ def judge(watch, family, read: frozenset) -> Verdict:
         namespace.update(watch.closures.get(code, {}))
         why = rules.why_refused(node, lines, namespace, registries)
         if why is not None:
-            return Verdict(f"{module}.{node.name} {why}", names=names, registries=registries)
+            return Verdict(f"{module}.{node.name} {why}", names=names, registries=registries, functions=functions)
         checked.append(f"{module}.{node.name}")
-    return Verdict(None, tuple(sorted(checked)), names, registries)
+    return Verdict(None, tuple(sorted(checked)), names, registries, functions)
 
 
 def _why_foreign(watch) -> str | None:
@@ -90,6 +99,8 @@ def _why_foreign(watch) -> str | None:
         why = identity.why_not_generated(code, owner)
         if why is not None:
             return f"{why} ran in the forward: {module}.{_qualname(code)}"
+    for code, module in watch.foreign_globals.items():
+        return f"transformers code ran with globals other than its module's: {module}.{_qualname(code)}"
     for code in watch.lines:
         why = identity.why_not_file_code(code)
         if why is not None:
@@ -101,7 +112,7 @@ def _why_foreign(watch) -> str | None:
     for op in watch.ops or ():
         if not op[0].startswith(_OP_NAMESPACES):
             return f"a custom op ran in the forward ({op[0]}): its kernel can be registered anew between calls"
-    return None
+    return kernels.why_foreign_kernels(op[0] for op in watch.ops or ())
 
 
 def _looked_up(watch) -> list:
@@ -117,7 +128,33 @@ def _looked_up(watch) -> list:
             names.add(name)
             if name in table and (id(owner), name) not in patched:
                 entries.append((table, name, table[name]))
-    return entries + torch_entries(names)
+    return entries + torch_entries(names) + builtin_entries(names)
+
+
+def _globals_loaded(watch) -> list:
+    """The objects the code that ran loads as globals (its module's, or a builtin): called or read by the replayed
+    Python, so their state is followed (`callables.CallableState`), and a callable whose state cannot be read
+    refuses the recording. `co_names` also holds attribute names (`nn.functional.silu`): only the global loads count."""
+    loaded = []
+    for code, module in watch.modules.items():
+        owner = sys.modules.get(module)
+        table = vars(owner) if owner is not None else {}
+        for name in _global_loads(code):
+            value = table.get(name, _MISSING)
+            if value is _MISSING:
+                value = vars(builtins).get(name, _MISSING)
+            if value is not _MISSING and callable(value):
+                loaded.append(value)
+    return list({id(value): value for value in loaded}.values())
+
+
+_MISSING = object()
+
+
+@functools.lru_cache(maxsize=8192)
+def _global_loads(code) -> tuple:
+    return tuple({instruction.argval for instruction in dis.get_instructions(code)
+                  if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME")})
 
 
 GENERIC = "piecewise generic machinery (found families)"

@@ -73,6 +73,8 @@ class RunWatch:
         self.closures: dict = {}  # code object -> its free variables' values (a decorator's registry, say)
         # code compiled from a string -> (the module whose globals it ran with, the type it ran for)
         self.generated: dict = {}
+        # transformers code run with globals other than its module's dict -> the module they name
+        self.foreign_globals: dict = {}
         self.ops: list | None = [] if trace_ops else None
         # ops the forward dispatched between a piece's end and the next one's start, outside the code a replay runs
         # again: a replay would not run them (a query scaled after the cache update)
@@ -107,7 +109,14 @@ class RunWatch:
         if kind == "transformers":
             if code not in self.lines:
                 self.lines[code] = set()
-                self.modules[code] = frame.f_globals.get("__name__", "")
+                globals_ = frame.f_globals
+                name = globals_.get("__name__", "")
+                self.modules[code] = name
+                owner = sys.modules.get(name)
+                if owner is None or vars(owner) is not globals_:
+                    # run with a dict other than its module's (`types.FunctionType(f.__code__, dict(vars(m)))`): what
+                    # it looks up is in no namespace the proof watches (red team of the proof pipeline, hole 2)
+                    self.foreign_globals.setdefault(code, name or "?")
                 if code.co_freevars:
                     local = frame.f_locals
                     self.closures[code] = {name: local.get(name) for name in code.co_freevars}
