@@ -347,6 +347,17 @@ SHORTCUTS: tuple[Shortcut, ...] = (
         "assisted.draft.DraftRun.host_mask", present="5.18+",
         why="every round's assistant generate() builds an all-ones mask, reads `(mask == 1).all()` and drops it",
     ),
+    # 5.24 makes static layers croppable (`crop` is new there): before it, no release has these three sources
+    Shortcut(
+        "static sliding layer counters",
+        (f"{_CU}:StaticSlidingWindowLayer.update", f"{_CU}:StaticSlidingWindowLayer.crop", f"{_CU}:StaticLayer.crop"),
+        {f"{_CU}:StaticSlidingWindowLayer.update": {"e292f922e791": "5.17.0-5.18.0, 5.24.0"},
+         f"{_CU}:StaticSlidingWindowLayer.crop": {"08845cd2cd66": "5.24.0"},
+         f"{_CU}:StaticLayer.crop": {"3765188a4ed3": "5.24.0"}},
+        "assisted.room.Room", present="5.24+",
+        why="where a sliding static layer writes is a device counter that its slides leave behind and its crops "
+            "move; the assisted loop follows it on the host to raise before a forward that indexes out of bounds",
+    ),
     Shortcut(
         "prompt lookup on the host mirror",
         (f"{_CG}:PromptLookupCandidateGenerator.get_candidates",) + tuple(
