@@ -113,6 +113,9 @@ class Case:
     plan: tuple[tuple[str, str], ...] | None = None
     opt_in: bool = False  # run only when named in --cases
     about: str = ""  # one line on what the case runs (`--help` lists it)
+    # a workload (`workloads/`: "stream", "padded" or "chat"): a sequence of calls timed as whole passes, cold and
+    # warm, in fresh threads, instead of the per-step difference of one call
+    workload: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +131,8 @@ class Run:
 
     @property
     def label(self) -> str:
+        if self.case.workload:  # its batch sizes and lengths are the workload's own (`workloads/cases.py`)
+            return f"{self.case.name} {self.mode}"
         extra = "" if self.decode == "greedy" else f" {self.decode}"
         return f"{self.case.name} {self.mode} b{self.batch}{extra}"
 
@@ -251,8 +256,10 @@ def plan_runs(args, device: torch.device, cases: dict[str, Case]) -> list[tuple[
     plan = []
     for case in selected:
         if case.plan is not None:
+            # a workload's batches are its own (`workloads/cases.py`): --batch does not apply
+            batches = case.batches if case.workload else (args.batch or case.batches)
             plan.append((case, [run_of(case, args, device, mode, b, decode) for mode, decode in case.plan
-                                if mode in modes for b in (args.batch or case.batches)]))
+                                if mode in modes for b in batches]))
             continue
         runs = [run_of(case, args, device, mode, b) for mode in modes for b in (args.batch or case.batches)]
         if case.name == extras_to and "static" in modes:

@@ -18,11 +18,20 @@ ms/token: per rep, (t_N - t_1) / (N - 1) from an N-token and a 1-token call made
 with the interquartile range as the spread. The variants run interleaved rep by rep, the order rotated each rep.
 Every call generates exactly its budget (min_new_tokens == max_new_tokens), so the variants do the same work.
 Speedups are against stock; async is also compared with upstream, and imported with stock (must stay within 2%).
-On CPU no ratio is printed: nothing about GPU idle time is measured there.
+On CPU no ratio is printed: nothing about GPU idle time is measured there. Every timed call's path is read: the
+path shown is the timed calls' own; timed calls that took different paths, or made or dropped a recording of the
+graphed forward, are listed, and --back-to-back adds a per-step figure free of what the rotation puts between calls.
 
-Modules: cases (what runs), assisted (assisted decoding's cases and figures), catalog (the built-in cases), variants
-(how transformers is set up for each), measure (timing, exactness, ratios), gpu (syncs, floor, traces), report (table,
-Markdown, JSON, PNG), tables (their cells), cli (options and main).
+Workload cases (opt-in: varied-lengths-llama-1b, padded-batches-llama-1b, conversation-llama-1b) are sequences of
+calls as users run them (prompt lengths that change call to call, left-padded batches of 4-16, a conversation that
+continues its cache), timed as whole passes: per variant, in a thread started for it (cuDNN keeps its per-length
+SDPA plans per thread, so every KV length is met anew there), a cold pass and then a warm pass over the same calls;
+the cold share is (cold - warm) / cold. Every call's output is checked against stock's.
+
+Modules: cases (what runs), assisted (assisted decoding's cases and figures), workloads (the workload cases, their
+passes and table), catalog (the built-in cases), variants (how transformers is set up for each), measure (timing,
+exactness, ratios), gpu (syncs, floor, traces), report (table, Markdown, JSON, PNG), summary (one row per run: the
+docs' table), tables (their cells), cli (options and main).
 """
 
 # The command line: options, the loop over cases and runs, the host-speed reference, and the outputs. This
@@ -42,7 +51,7 @@ import torch
 
 from .. import apply
 from ..config import FORCE_ENV
-from . import assisted, gpu, report
+from . import assisted, gpu, report, workloads
 from .cases import DTYPES, MODES, REFERENCE_CASE, Case, Run, plan_runs, run_of
 from .catalog import builtin_cases
 from .measure import error_record, measure_run
@@ -67,6 +76,13 @@ def parse_args(argv, cases: dict[str, Case] | None = None):
                                                           "else fp32)")
     p.add_argument("--reps", type=int, help=f"timed repetitions, variants interleaved; medians and IQR taken "
                                             f"(default: {REPS}, quick: {QUICK_REPS})")
+    p.add_argument("--back-to-back", type=int, default=0, metavar="K",
+                   help="after the rotated reps, K more N-token calls per variant, each right after the same "
+                        "variant's N-token call: a second per-step figure, free of what the rotation puts between "
+                        "calls (default: 0, none)")
+    p.add_argument("--workload-reps", type=int, default=1, metavar="R",
+                   help="cold and warm pass pairs per variant of the workload cases, each in a fresh thread "
+                        "(default: 1)")
     p.add_argument("--model", metavar="PATH", help="a local checkpoint directory, benchmarked as an extra case")
     p.add_argument("--quick", action="store_true", help=f"tiny cases, few tokens, {QUICK_REPS} reps (CPU CI)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -80,6 +96,8 @@ def parse_args(argv, cases: dict[str, Case] | None = None):
         args.reps = QUICK_REPS if args.quick else REPS
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    if args.back_to_back < 0 or args.workload_reps < 1:
+        p.error("--back-to-back must be >= 0 and --workload-reps >= 1")
     if args.new_tokens is not None and args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (decode time is differenced against a 1-token call)")
     if args.modes and not {m.strip() for m in args.modes.split(",") if m.strip()} <= set(MODES):
@@ -97,8 +115,9 @@ def cases_help(cases: dict[str, Case]) -> str:
     width = max(map(len, cases), default=0)
     lines = [f"  {name:<{width}}  {'(opt-in) ' if case.opt_in else ''}{case.about}".rstrip()
              for name, case in cases.items()]
-    return ("cases (--cases): each on a DynamicCache and a static cache, assisted decoding and prompt lookup on a\n"
-            "DynamicCache only; the sample, left-padded and beam runs go to llama-1b, else to tiny-llama\n"
+    return ("cases (--cases): each on a DynamicCache and a static cache, assisted decoding, prompt lookup and the\n"
+            "workloads on a DynamicCache only; the sample, left-padded and beam runs go to llama-1b (else to\n"
+            "the tiny Llama case)\n"
             + "\n".join(lines))
 
 
@@ -194,7 +213,11 @@ def measure_case(case: Case, runs, sel: Selection, args, device: torch.device, p
     for run in runs:
         done_before = progress.done
         try:
-            records.append(measure_run(model, run, sel, args.reps, device, progress, args.trace))
+            if case.workload:
+                records.append(workloads.measure_workload(model, run, sel, args.workload_reps, device, progress))
+                continue
+            records.append(measure_run(model, run, sel, args.reps, device, progress, args.trace,
+                                       back_to_back=args.back_to_back))
         except Exception as exc:  # one failing run (out of memory, a model without static cache) is reported
             traceback.print_exc()
             records.append(error_record(run, exc))

@@ -53,13 +53,18 @@ def gpu_timeline(model, kwargs: dict, flag: dict, device: torch.device) -> dict:
     """Device time of one call, in ms: `busy` sums every CUDA-side event (kernels, copies, memsets) the profiler
     recorded (the floor); over the union of those events' intervals, `launch_gaps` sums the idle gaps shorter than
     LAUNCH_GAP_US and `starved` the longer ones."""
+    return timeline_of(lambda: call(model, kwargs, flag), device)
+
+
+def timeline_of(thunk, device: torch.device) -> dict:
+    """`gpu_timeline` of whatever `thunk` runs (a workload's whole pass: `workloads/passes.py`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
     # CUDA activity only: host-side events would add ~100k events per long call to parse, and are not summed
     with _quiet_profiler(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        call(model, kwargs, flag)
+        thunk()
         torch.cuda.synchronize(device)
     spans = sorted((evt.time_range.start, evt.time_range.end) for evt in prof.events()
                    if evt.device_type == DeviceType.CUDA)

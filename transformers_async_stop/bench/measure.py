@@ -5,12 +5,21 @@ back to back, and (t_N - t_1) / (N - 1) is its decode cost per token in that rep
 The reported figure is the median over reps; the spread is the interquartile range (and min-max in the JSON).
 Differencing within a rep pairs two calls made seconds apart, so slow drift of the host clock cancels.
 
+The path of every timed N-token call is read too (`last_path()`), and whether the call made or dropped a recording
+of the graphed forward (the model's recordings before and after it): the path reported beside the figure is the timed
+calls' (the warm-up's is kept as `warmup_path`: a found family's warm-up call records twice and replays the rest),
+and timed calls that took different paths are counted per path. With `back_to_back` > 0, each variant then makes
+that many N-token calls more, each right after its own N-token call (no 1-token call and no other variant in
+between), differenced against the same variant's median 1-token time: where this "back-to-back" figure differs from
+the rotated one, what ran between the calls changed the timed call.
+
 To add a per-variant figure, append a `Metric` to `METRICS`: it says which variants it applies to, and runs under
 that variant's set-up after the timing.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import statistics
@@ -108,8 +117,20 @@ def ratios(per_rep: dict[str, list[float]]) -> dict:
     return out
 
 
+def recording_state(model):
+    """The graphed forward's recordings of `model` (their identities) and its failed and to-be-confirmed keys: a timed
+    call after which this differs made or dropped a recording. None where the package keeps no such store."""
+    try:
+        from ..graphs.piecewise.forward import graphs_of
+    except ImportError:  # pragma: no cover (a tree without the graphed forward)
+        return None
+    graphs = graphs_of(model)
+    return (tuple(map(id, getattr(graphs, "recordings", {}).values())), len(getattr(graphs, "failed", ())),
+            len(getattr(graphs, "first_runs", ())))
+
+
 def measure_run(model, run: Run, sel: Selection, reps: int, device: torch.device, progress,
-                trace_dir: str | None = None) -> dict:
+                trace_dir: str | None = None, back_to_back: int = 0) -> dict:
     """Every selected variant of one run, on one model. Returns the run's JSON record."""
     inputs = make_inputs(run, model, device)
     ctx = Ctx(model, run, device, generate_kwargs(run, model, inputs, run.new_tokens),
@@ -134,12 +155,25 @@ def measure_run(model, run: Run, sel: Selection, reps: int, device: torch.device
     progress(f"{run.label} timing {reps} reps x {len(sel.timed)} variants, rotated", count=False)
     t_n = {v: [] for v in sel.timed}
     t_1 = {v: [] for v in sel.timed}
+    timed_paths = {v: [] for v in sel.timed}  # the path of each timed N-token call
+    recorded = dict.fromkeys(sel.timed, 0)  # timed N-token calls that made or dropped a recording
     for order in orders:
         for v in order:
             with variant(v) as flag:
+                before = recording_state(model)
                 t_n[v].append(timed_ms(model, ctx.kw_n, flag, device))
+                recorded[v] += recording_state(model) != before
+                timed_paths[v].append(path_taken(v, ctx))
                 t_1[v].append(timed_ms(model, ctx.kw_1, flag, device))
     per_rep = {v: [per_step(a, b, ctx.n) for a, b in zip(t_n[v], t_1[v])] for v in sel.timed}
+    b2b = {v: None for v in sel.timed}
+    if back_to_back > 0:
+        progress(f"{run.label} {back_to_back} back-to-back N-token call(s) per variant", count=False)
+        for v in sel.timed:
+            with variant(v) as flag:
+                timed_ms(model, ctx.kw_n, flag, device)  # the call each timed one follows
+                times = [timed_ms(model, ctx.kw_n, flag, device) for _ in range(back_to_back)]
+            b2b[v] = per_step(statistics.median(times), statistics.median(t_1[v]), ctx.n)
 
     floor = gaps = None
     if sel.floor:
@@ -163,7 +197,11 @@ def measure_run(model, run: Run, sel: Selection, reps: int, device: torch.device
             "gpu_busy": floor / ms if floor is not None and ms > 0 else None,
             "minus_floor_ms": ms - floor if floor is not None else None,
             "exact": None if v == "stock" else bool(torch.equal(outputs[v], reference)),
-            "path": paths[v],
+            # the path the timed calls took (the most frequent, where they differ: each with its count in
+            # `timed_paths`), not the warm-up's: a found family's warm-up records twice, its timed calls replay
+            "path": _most_common(timed_paths[v]), "warmup_path": paths[v],
+            "timed_paths": dict(collections.Counter(timed_paths[v])) if len(set(timed_paths[v])) > 1 else {},
+            "timed_recordings": recorded[v], "ms_per_token_b2b": b2b[v],
         }
         for metric in METRICS:
             record[v].update(dict.fromkeys(metric.fields))
@@ -201,6 +239,11 @@ def path_taken(v: str, ctx: Ctx) -> str:
         return "transformers' DeferredStopCheck" if own else "transformers as shipped"
     path = last_path()
     return path.describe() if path is not None else "-"
+
+
+def _most_common(paths: list[str]) -> str:
+    counts = collections.Counter(paths)
+    return max(reversed(paths), key=counts.__getitem__)  # on a tie, the later call's
 
 
 def run_fields(run: Run) -> dict:

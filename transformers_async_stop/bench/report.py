@@ -195,10 +195,12 @@ def text_report(result: dict) -> str:
     rows = gap_rows(runs)
     if rows:
         lines += ["", GAP_LEGEND, _aligned([GAP_TITLES] + rows)]
-    from . import assisted  # its rows format with this module's helpers
+    from . import assisted, summary  # their rows format with this module's helpers
+    from .workloads import report as workloads_report
 
     closing = "" if cuda else "\n\n" + NO_RATIO_MESSAGE
-    return "\n".join(lines) + assisted.text_report(result) + closing
+    return ("\n".join(lines) + assisted.text_report(result) + workloads_report.text_report(result)
+            + summary.text_report(result) + closing)
 
 
 # --- files --------------------------------------------------------------------------------------------------------
@@ -225,9 +227,10 @@ def markdown(result: dict) -> str:
               "path: the path the variant's generate() took (`transformers_async_stop.last_path()`).", ""]
     if not cuda:
         lines += [f"**{NO_RATIO_MESSAGE}.**", ""]
-    from . import assisted
+    from . import assisted, summary
+    from .workloads import report as workloads_report
 
-    return "\n".join(lines) + assisted.markdown(result)
+    return "\n".join(lines) + assisted.markdown(result) + workloads_report.markdown(result) + summary.markdown(result)
 
 
 def write_outputs(result: dict, args) -> None:
