@@ -80,7 +80,6 @@ class ModelGraphs:
         self.functions: list = []  # (namespace, name, object): the torch names the replayed Python looks up
         # the code of every function the replay skips, and the callables it holds (`proof/callables.py`)
         self.code_roots: list = []
-        self.known_modules: list = []
         self.code = CallableState(())
         self.impls = self.impls_size = self.impls_copy = None
         self.host_tensors: list = []
@@ -192,8 +191,7 @@ class ModelGraphs:
                            *(value for _, _, value in self.functions if type(value) in _FOLLOWED),
                            *(value for _, _, value in attributes if callable(value)
                              and not isinstance(value, (torch.nn.Module, torch.Tensor)))]
-        self.known_modules = every
-        self.code = CallableState(self.code_roots, self.known_modules)
+        self.code = CallableState(self.code_roots, every)
         # the kernels registered through `torch.library` (`proof/kernels.py`): one registered or taken out after the
         # recording is what stock's next forward runs (red team of the proof pipeline, holes 5 and 7)
         self.impls = kernels.registrations()
@@ -280,7 +278,8 @@ class ModelGraphs:
         roots += [function for function in functions if id(function) not in known]
         if roots:
             self.code_roots = self.code_roots + roots
-            self.code = CallableState(self.code_roots, self.known_modules)
+            # the model's own modules (the model by its weak reference: this store must not keep it alive)
+            self.code = CallableState(self.code_roots, [self.root(), *self.modules])
 
     def changed(self) -> bool:
         # checked before every replay: C-level maps over the flat lists (a few tens of microseconds for a 1B model)
