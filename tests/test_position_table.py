@@ -1,18 +1,23 @@
-"""The undone extra step never runs a forward past the model's learned absolute position table.
+"""The undone extra step never runs a forward past a table the model's forward reads by position.
 
 GPT-2's `wpe` (n_positions) and OPT's `embed_positions` (max_position_embeddings, ids offset by 2) have one row per
 position: stock stops on EOS made at the table's last position and returns, where a forward one position further
 raises IndexError (on CUDA a device-side assert that kills the context). The flag must read that verdict before it.
+The same holds for tables found only from what the forward reads (`undo/position_reads.py`): GPT-J's and CodeGen's
+sin/cos buffer, CTRL's encoding buffer, MPT's alibi (a shape error past `max_seq_len`), and for calls without a cache.
 """
 
 import unittest
+from unittest import mock
 
 import torch
 import transformers as T
 from parameterized import parameterized
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, stock
+from transformers_async_stop.undo import position_reads
 
 TABLE = 12
 PROMPT = 6
@@ -109,6 +114,156 @@ class ExtraStepStaysInsidePositionTable(unittest.TestCase):
                     results.append(model.generate(first.sequences, **kw))
         self.assertEqual(cache_len, 6)
         torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+# -- tables found from what the forward reads (issue 43 item 6) -------------------------------------------------------
+# tiny models whose tables end early: 24 positions (GPT-J, CodeGen, CTRL, GPT-2, OPT, GPT-Neo, GPT-BigCode), 32 (MPT)
+_SMALL = {
+    "gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=24,
+                                                   vocab_size=64)),
+    "codegen": lambda: T.CodeGenForCausalLM(T.CodeGenConfig(n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                                            n_positions=24, n_ctx=24, vocab_size=64)),
+    "mpt": lambda: T.MptForCausalLM(T.MptConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=32, vocab_size=64)),
+    "ctrl": lambda: T.CTRLLMHeadModel(T.CTRLConfig(n_embd=32, n_layer=2, n_head=4, dff=64, n_positions=24,
+                                                   vocab_size=64)),
+    "gpt2": lambda: T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=24, vocab_size=64)),
+    "opt": lambda: T.OPTForCausalLM(T.OPTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                ffn_dim=64, max_position_embeddings=24, vocab_size=64,
+                                                word_embed_proj_dim=32)),
+    "gpt_neo": lambda: T.GPTNeoForCausalLM(T.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4,
+                                                          attention_types=[[["global", "local"], 1]],
+                                                          max_position_embeddings=24, vocab_size=64, window_size=8)),
+    "gpt_bigcode": lambda: T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(n_embd=32, n_layer=2, n_head=4, n_positions=24,
+                                                                      vocab_size=64)),
+    # alibi without a table: its bias is built from the mask, as long as the key
+    "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=64)),
+    "falcon_alibi": lambda: T.FalconForCausalLM(T.FalconConfig(hidden_size=32, num_hidden_layers=2,
+                                                               num_attention_heads=4, vocab_size=64, alibi=True,
+                                                               new_decoder_architecture=False, multi_query=True,
+                                                               max_position_embeddings=24)),
+}
+
+
+def small(family):
+    torch.manual_seed(0)
+    return _SMALL[family]().eval()
+
+
+class StopsAtLength(StoppingCriteria):
+    """Every row is finished once the sequence is `length` long: stock's last step is the one making that token."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+def run_both(model, length, batch=1, seed=0, mask=None, context=None, **kwargs):
+    """(stock's result or exception type, the flag's, the flag's path): prompt of 8, up to 40 new tokens."""
+    ids = torch.randint(3, 64, (batch, 8), generator=torch.Generator().manual_seed(seed))
+    if mask is not None:
+        kwargs["attention_mask"] = mask
+    kw = dict(max_new_tokens=40, do_sample=False, pad_token_id=0,
+              stopping_criteria=StoppingCriteriaList([StopsAtLength(length)]), **kwargs)
+    results = []
+    for flag in (False, True):
+        torch.manual_seed(seed)
+        try:
+            if flag:
+                with context() if context is not None else torch.no_grad():
+                    out = model.generate(ids, async_stopping_criteria=True, **kw)
+            else:
+                with stock(), context() if context is not None else torch.no_grad():
+                    out = model.generate(ids, **kw)
+        except (IndexError, RuntimeError) as exc:
+            out = type(exc)
+        results.append(out)
+    return results[0], results[1], tas.last_path().describe()
+
+
+class ExtraStepStaysInsideObservedTables(unittest.TestCase):
+    """Stock stops at the table's last position and returns; the flag returns the same, reading that verdict at once.
+    One position further, stock's own next forward raises, and so does the flag's."""
+
+    def _returns_as_stock(self, want, got, described, positions):
+        self.assertIsInstance(want, torch.Tensor, "stock returns at the table's last position")
+        self.assertIsInstance(got, torch.Tensor, f"the flag raised {got} where stock returns ({described})")
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        if not described.startswith("stock"):  # a release whose module keeps state on itself runs stock's loop
+            self.assertIn(f"position table holds {positions} positions", described)
+
+    def _raises_as_stock(self, want, got):
+        self.assertTrue(isinstance(want, type) and issubclass(want, Exception), "stock raises one position further")
+        self.assertIs(got, want)
+
+    def test_stop_at_gptj_sin_cos_table_end_returns_as_stock(self):
+        model = small("gptj")  # `embed_positions`: a sin/cos buffer of 24 rows, indexed by position ids
+        self._returns_as_stock(*run_both(model, 25), positions=24)
+        want, got, _ = run_both(model, 26)
+        self._raises_as_stock(want, got)  # IndexError: index 24 is out of bounds for dimension 0 with size 24
+
+    def test_stop_at_codegen_sin_cos_table_end_returns_as_stock(self):
+        self._returns_as_stock(*run_both(small("codegen"), 25), positions=24)
+
+    def test_stop_at_ctrl_encoding_buffer_end_returns_as_stock(self):
+        self._returns_as_stock(*run_both(small("ctrl"), 25), positions=24)  # `pos_encoding`, a buffer
+
+    @parameterized.expand([("model_default_no_cache", None), ("cache", True)])
+    def test_stop_at_mpt_alibi_end_returns_as_stock(self, _, use_cache):
+        """MPT builds its alibi to `max_seq_len` and cuts it to the key length: one key longer fails to broadcast."""
+        model = small("mpt")
+        kw = {} if use_cache is None else dict(use_cache=use_cache)
+        self._returns_as_stock(*run_both(model, 33, **kw), positions=32)
+        want, got, _ = run_both(model, 34, **kw)
+        self._raises_as_stock(want, got)  # RuntimeError: The size of tensor a (33) must match ... (32)
+
+    @parameterized.expand([("gpt2",), ("opt",), ("gpt_neo",), ("gpt_bigcode",)])
+    def test_stop_at_table_end_without_cache_returns_as_stock(self, family):
+        """`use_cache=False`: every forward runs over the whole sequence, its positions counted from it."""
+        self._returns_as_stock(*run_both(small(family), 25, use_cache=False), positions=24)
+
+    @parameterized.expand([("gptj",), ("mpt",)])
+    def test_left_padded_batch_stops_at_table_end_as_stock(self, family):
+        """The attention mask, read by position in every padded forward, is no table; the model's own is."""
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[0, :3] = 0
+        length, positions = (33, 32) if family == "mpt" else (25, 24)
+        self._returns_as_stock(*run_both(small(family), length, batch=2, mask=mask), positions=positions)
+
+    @parameterized.expand([("gptj",), ("mpt",)])
+    def test_table_found_inside_inference_mode_returns_as_stock(self, family):
+        length, positions = (33, 32) if family == "mpt" else (25, 24)
+        self._returns_as_stock(*run_both(small(family), length, context=torch.inference_mode), positions=positions)
+
+    def test_changed_alibi_length_is_observed_again(self):
+        """A model changed between calls (MPT's `max_seq_len` edited: its alibi is built from it) is observed again
+        at its next call; one unchanged is not observed at all."""
+        model = small("mpt")
+        self._returns_as_stock(*run_both(model, 33), positions=32)
+        model.config.max_seq_len = 24
+        self._returns_as_stock(*run_both(model, 25), positions=24)
+        with mock.patch.object(position_reads.PositionReads, "__torch_function__", autospec=True,
+                               side_effect=AssertionError("a known model was observed")):
+            self._returns_as_stock(*run_both(model, 25, seed=1), positions=24)
+
+    def test_prompt_filling_the_alibi_then_a_shorter_one_stops_as_stock(self):
+        """A first call whose prompt fills MPT's alibi exactly cuts nothing, so it shows no table: that observation
+        stays provisional (the longest length is the size of a tensor the forward used), and the next call, shorter,
+        is observed again and finds it."""
+        model = small("mpt")
+        full = torch.randint(3, 64, (1, 32), generator=torch.Generator().manual_seed(0))
+        model.generate(full, max_new_tokens=1, do_sample=False, pad_token_id=0, async_stopping_criteria=True)
+        self._returns_as_stock(*run_both(model, 33), positions=32)
+
+    @parameterized.expand([("bloom",), ("falcon_alibi",)])
+    def test_alibi_built_from_the_mask_is_no_table(self, family):
+        """BLOOM's and Falcon's alibi is as long as the key: nothing stops the extra step (a guard: no false table)."""
+        want, got, described = run_both(small(family), 40)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        self.assertNotIn("position table", described)
+        self.assertTrue(described.startswith("deferred"), described)
 
 
 if __name__ == "__main__":

@@ -144,7 +144,6 @@ def patched_sample(original, target):
             cache_returned=cache_is_returned(generation_config, model_kwargs), loop_undoes_steps=loop_undoes_steps,
         )
         ctl.watch_hooks(self)
-        ctl.watch_positions(self)
         ctl.watch_input_drops(self)
         if draft is None:
             ctl.follow_max_length(stopping_criteria)
@@ -159,6 +158,8 @@ def patched_sample(original, target):
         # a dynamic cache on 5.17+: the package's lean loop, each step's inputs made from the previous step's
         lean_plan = None if loop_plan is not None or not loop_undoes_steps else dynamic_loop.plan_loop(
             self, logits_processor, stopping_criteria, generation_config, synced_gpus, model_kwargs)
+        # last before the `try`: on a model not yet known this watches the first forward, and `close` must end it
+        ctl.watch_positions(self, input_ids, model_kwargs)
         try:
             if loop_plan is not None:
                 outputs = static_loop.run(self, input_ids, stopping_criteria, generation_config, streamer,

@@ -118,7 +118,10 @@ class AsyncStop:
         self.extra = False  # the step running now is the one the flag-off run never made
         self.overran = False  # an exception left the loop after a step stock never reached had run its forward
         self.room = None  # positions a fixed-size cache can hold, or the model's position table if fewer
-        self.table = None  # positions the model's learned absolute position table holds (`watch_positions`)
+        self.table = None  # positions the model's forward can reach: its position tables (`watch_positions`)
+        self.position_watch = None  # the observation of the call's first forward, until the cache after it is seen
+        self.why_table = None  # why `table` is what it is, where it is not a table's size
+        self.cacheless = False  # the call runs without a cache (`watch_positions`)
         self._budget = None  # the call's first `MaxLengthCriteria`, read at every step (`follow_max_length`)
         # 4.57-5.3 static layers write where `cache_position` says: the first decode step's (the loop's kwargs
         # after the prefill, a one-element device tensor), from which the extra step's position follows
@@ -245,8 +248,9 @@ class AsyncStop:
             # back)
             if not self.synchronous and self.table is not None and self._end_of_cache() + self.steps - 1 >= self.table:
                 self.synchronous = True  # every later forward is past the table too
-                self.why_synchronous = (f"the model's learned position table holds {self.table} positions: each "
-                                        "verdict is read before a forward past it")
+                self.why_synchronous = self.why_table or (
+                    f"the model's position table holds {self.table} positions: each verdict is read before a forward "
+                    "past it")
             return self._read(self.steps - 1)
         self.rng.snapshot()
         return False
@@ -269,11 +273,20 @@ class AsyncStop:
                 self.max_length = criterion.max_length
                 return
 
-    def watch_positions(self, model) -> None:
-        """No forward past the model's learned position table (position_table.py): counted from the cache."""
-        from ..undo.position_table import table_positions
+    def watch_positions(self, model, input_ids=None, model_kwargs=None) -> None:
+        """No forward past a table the model's forward reads by position (position_table.py), counted from the cache:
+        known per model, or found from the call's first forward, observed until `_first_sight`. Called right before
+        the loop's `try`, whose `close` ends the observation."""
+        from ..undo.position_table import PositionWatch
 
-        self.table = table_positions(model)
+        self.table, self.why_table, self.position_watch = PositionWatch.start(model, input_ids, model_kwargs)
+        # `use_cache=False` (MPT's default): each forward runs over the whole sequence, its positions counted from it
+        self.cacheless = isinstance(model_kwargs, dict) and model_kwargs.get("use_cache") is False
+
+    def _end_position_watch(self, cache) -> None:
+        watch, self.position_watch = self.position_watch, None
+        if watch is not None:
+            self.table, self.why_table = watch.finish(cache)
 
     def watch_hooks(self, model) -> None:
         """Read every verdict at once while a forward hook is on `model` (module_state.HookWatch)."""
@@ -293,6 +306,8 @@ class AsyncStop:
     def join(self) -> bool:
         """At a step's logits processors: the main stream waits for the previous step's side-stream work, and the
         host reads the previous step's verdict. True: the flag-off run stopped there, this step is the extra one."""
+        if self.position_watch is not None:
+            self._end_position_watch(None)  # no processor or criterion runs under the watch, cache seen or not
         self.wait_pending()
         if self.read < self.steps and self._read(self.steps - 1, in_join=True):
             self.extra = True
@@ -343,6 +358,13 @@ class AsyncStop:
 
     def _first_sight(self, cache) -> bool:
         """Note the cache's room the first time it is seen (after the prefill); whether this was the first time."""
+        if self.position_watch is not None:
+            self._end_position_watch(cache)  # the first forward has run: what it read is known
+        if self.cacheless and cache is None and self.table is not None and not self.cache_seen:
+            # no cache: the next forward's last position is the sequence's length so far (the prompt's, plus a step)
+            self.cache_seen = True
+            self.room, self._cache_end = self.table, self.last_length
+            return True
         if self.cache_seen or cache is None:
             return False
         self.cache_seen = True
@@ -361,7 +383,7 @@ class AsyncStop:
             # nowhere to tell how full it is: never risk a forward past its end
             self.synchronous = True
             if fixed is None:
-                self.why_synchronous = ("the model has a learned position table and the cache does not tell how "
+                self.why_synchronous = ("the model has a position table and the cache does not tell how "
                                         "many positions it holds")
         elif isinstance(end, int) or not self.cuda:
             self.room, self._cache_end = room, int(end)  # a host value or a CPU tensor: reading costs nothing
@@ -425,6 +447,9 @@ class AsyncStop:
         """Leave the streams as found, also after an exception inside the loop; undo per-call registrations."""
         while self.cleanups:
             self.cleanups.pop()()
+        if self.position_watch is not None:
+            self.position_watch.stop()  # a loop left before its first forward's cache was seen
+            self.position_watch = None
         self.deferred_check = None  # it points back here: no cycle may keep the pinned buffers alive
         if self.cuda:
             if self._on_side:

@@ -69,8 +69,8 @@ def patched_beam_search(original, target):
         ctl = state.ctl = AsyncStop(input_ids, generation_config.max_length, done_when="running",
                                     cache_returned=returned)
         ctl.watch_hooks(self)
-        ctl.watch_positions(self)
         ctl.watch_input_drops(self)  # Phi-3's rope switch: no extra step may refill a dropped cache
+        ctl.watch_positions(self, input_ids, model_kwargs)  # last before the `try`, whose `close` ends its watch
         try:
             outputs = original(self, input_ids, JoiningLogitsProcessors(logits_processor, ctl),
                                ExtraStepCriteria(stopping_criteria, ctl), generation_config,
