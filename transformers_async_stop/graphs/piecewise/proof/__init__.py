@@ -45,7 +45,10 @@ def watch_for(family):
     why = why_busy()
     if why is not None:
         return (None, why) if family.auto else (None, None)
-    return RunWatch(trace_ops=True, trace_lines=family.auto), None
+    # a hand-read family's code is read: which code objects ran is what its proof needs (identity, foreign code);
+    # its lines and ops are not traced (a Python dispatch mode under `inference_mode` sees composite ops before they
+    # decompose, and may pick other kernels than eager: the recording must run the eager ones)
+    return RunWatch(trace_ops=family.auto, trace_lines=family.auto), None
 
 
 def judge_recording(watch, family) -> Verdict:
