@@ -15,10 +15,10 @@ from __future__ import annotations
 import collections
 import copy
 import functools
-import types
 import itertools
 import operator
 import threading
+import types
 import weakref
 
 import torch
@@ -238,9 +238,9 @@ class ModelGraphs:
         """Every module's `__dict__`, and its children, parameter and buffer tables, hold the very keys and values
         they held as proven (`snapshot`): identity only, no `==` (a value's `__eq__` is user code, or a
         tensor's elementwise compare). With the same keys in the same order and the same objects, each table is the
-        one proven, so the module tree, its attributes, overrides and hook tables are too (`proof.admission.why_not_again`
-        asks this once per call instead of walking every module's `__dict__` with the proof's tests). A few hundred
-        microseconds for a 1B model: once per call, not per step."""
+        one proven, so the module tree, its attributes, overrides and hook tables are too
+        (`proof.admission.why_not_again` asks this once per call instead of walking every module's `__dict__` with the
+        proof's tests). A few hundred microseconds for a 1B model: once per call, not per step."""
         tables = self.instances
         if not tables or list(map(len, tables)) != self.instance_sizes:
             return False

@@ -37,7 +37,8 @@ _SITE = tuple(real_path(sysconfig.get_paths()[name]) + os.sep for name in ("pure
 @functools.lru_cache(maxsize=4096)
 def kind_of(filename: str) -> str:
     """"transformers", "torch" (torch's files and the standard library's: their own code, not traced further),
-    "ours" (this package), "generated" (compiled from a string: judged by its code object, `identity.py`), or "other"."""
+    "ours" (this package), "generated" (compiled from a string: judged by its code object, `identity.py`), or
+    "other"."""
     if filename.startswith("<frozen "):  # the standard library's frozen modules (`abc`, `os`, `codecs` in 3.11+)
         return "torch"
     if filename.startswith("<"):  # compiled from a string: dataclasses' methods, named tuples, or a user's `exec`
