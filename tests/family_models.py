@@ -15,12 +15,10 @@ FAMILIES = (
     "helium", "arcee", "seed_oss", "hunyuan_v1_dense", "mistral", "gemma3_text", "ministral", "exaone4",
 )
 # what keeps a family's decode forward eager, by design (docs/paths.md), each reason it may give: Falcon calls SDPA
-# itself, not through transformers' attention functions (a replay would have captured it over a growing cache; on
-# CUDA its capture fails earlier, on a copy from an unpinned CPU tensor); OPT's base forward reads the cache's length
-# on the host every step
+# itself inside its attention's forward, not through transformers' attention functions (no call to cut the forward
+# at: `graphs/piecewise/proof/attention.py`); OPT's base forward reads the cache's length on the host every step
 EAGER = {
-    "falcon": ("attention does not go through transformers' attention functions",
-               "capture failed (RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture"),
+    "falcon": ("the attention is computed inside FalconAttention.forward, not by an attention function",),
     "opt": ("reads 'get_seq_length' on the host",),
 }
 _SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -221,9 +221,10 @@ class FamiliesStepAside(unittest.TestCase):
         self.assertTrue(tas.last_path().describe().startswith("deferred, dynamic loop, forward graphed"),
                         tas.last_path().describe())
 
-    def test_gemma3_with_attention_softcapping_steps_aside(self):
-        self.assertEqual(_why(_build("gemma3", attn_logit_softcapping=50.0)),
-                         "attention logit soft-capping (SDPA refuses it)")
+    def test_gemma3_with_attention_softcapping_takes_the_path(self):
+        # each replay hands the attention function the `softcap` stock's forward passes (SDPA's ignores it, eager's
+        # applies it: tests/test_piecewise_attention_implementations.py)
+        self.assertEqual(_why(_build("gemma3", attn_logit_softcapping=50.0)), "not CUDA (cpu)")
 
     def test_gemma3_with_bidirectional_attention_steps_aside(self):
         self.assertEqual(_why(_build("gemma3", use_bidirectional_attention=True)), "bidirectional attention")
@@ -233,15 +234,15 @@ class FamiliesStepAside(unittest.TestCase):
         model.model.rotary_emb.rope_type = {"full_attention": "dynamic"}
         self.assertEqual(_why(model), "rope type 'dynamic' has per-length state")
 
-    def test_gemma2_steps_aside_for_its_eager_attention(self):
-        # transformers refuses SDPA for it (attention logit soft-capping): found (`proof/discover.py`), but eager
+    def test_gemma2_with_its_eager_attention_takes_the_path(self):
+        # transformers refuses SDPA for it (attention logit soft-capping): found (`proof/discover.py`), its eager
+        # attention called at every replay (tests/test_piecewise_attention_implementations.py)
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
         config = Gemma2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                               num_key_value_heads=1, head_dim=8, vocab_size=VOCAB, pad_token_id=PAD)
         config._attn_implementation = "eager"
-        self.assertEqual(_why(Gemma2ForCausalLM(config).eval()),
-                         "attention implementation 'eager' (only sdpa is proven)")
+        self.assertEqual(_why(Gemma2ForCausalLM(config).eval()), "not CUDA (cpu)")
 
     def test_a_family_read_only_by_its_base_class_steps_aside(self):
         from transformers import GPT2DoubleHeadsModel

@@ -230,7 +230,9 @@ class RedTeamProofOnce(_Base):
         self._warm(model)
         model.set_attn_implementation("eager")
         self._against_stock(model)
-        self.assertIn("attention implementation", tas.last_path().forward)
+        # proven again and recorded under it (the recording key holds the implementation; `graphs/piecewise/
+        # attention.py`): eager attention is graphed too
+        self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
 
     def test_process_group_initialized_between_calls(self):
         import torch.distributed as dist

@@ -4,15 +4,16 @@ Per step, before any replay, it checks what a replay would otherwise get wrong, 
 model's own) where it cannot replay:
 - the step's inputs: only `input_ids` / `position_ids` (one column), the cache (`past_key_values` up to 5.23,
   `cache` from 5.24: `cache_kwarg.py`), `use_cache`, `logits_to_keep`,
-  `return_dict`, and a mask whose effect on the attention is known on the host (`steps.attention_mask`), or for K > 1 tokens the
-  step's own mask, from which each replay makes stock's (`steps.wide_mask`); with sliding-window layers a batch
-  without padding, whose masks each replay answers on the host per recorded mask call (`steps.sliding_step`,
-  `masks.host_mask`);
+  `return_dict`, and with SDPA a mask whose effect on the attention is known on the host (`steps.attention_mask`),
+  or for K > 1 tokens, and under any other attention implementation (eager, flex...), the step's own mask, from
+  which each replay makes stock's (`steps.wide_mask`); with sliding-window layers and SDPA a batch without padding,
+  whose masks each replay answers on the host per recorded mask call (`steps.sliding_step`, `masks.host_mask`);
 - staleness (`staleness.py`): a module, parameter or buffer replaced, its storage moved (`.to()`, `.data =`, a dtype
   change) or its shape or stride changed on the same storage, a plain attribute of a module or a config rebound (a
   norm's epsilon, an attention's scaling) or a config's list or dict edited in place: the model's recordings are
-  dropped and the step records again; a hook or a wrapped forward added, training mode, an
-  attention implementation other than SDPA: the rest of the call runs eagerly;
+  dropped and the step records again; a hook or a wrapped forward added, training mode, an attention or mask
+  function that is not transformers' own: the rest of the call runs eagerly. The attention implementation is part of
+  the key: one set mid-call records under it (the model proven again);
 - threads: while another thread is inside `generate()`, the step runs eagerly (the graphs and their buffers serve one
   forward at a time);
 - default-deny: the model is proven (`proof/`) before each recording, and every module's class is compared before
@@ -80,6 +81,7 @@ class PiecewiseForward:
         self.stale = 0  # steps of this call that found the model's snapshot changed
         self.replayed = self.eager_steps = 0
         self.last_eager = None
+        self.impl = None  # the attention implementation of the step (`_step`)
 
     def _watch(self) -> None:
         """The per-step checks' set, from the model as it is now (again after a change was found and the model proven
@@ -141,7 +143,8 @@ class PiecewiseForward:
         if recording is not None:
             graphs.recordings.move_to_end(key)
             return self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["input_ids"],
-                                                   inputs["position_ids"], mask, proof.handover.attention_function(),
+                                                   inputs["position_ids"], mask,
+                                                   proof.handover.attention_function(self.modules, self.impl),
                                                    self.modules,
                                                    fresh_logits=self.role == "verify"))
         failed = graphs.failed.get(key) or self.failed_here.get(key)
@@ -175,7 +178,8 @@ class PiecewiseForward:
             return self._eager(self._failed(key, f"not proven: {why}"), inputs)
         forward_inputs = {name: value for name, value in inputs.items() if name != "return_dict"}
         forward_inputs["return_dict"] = True
-        # K tokens, or one with sliding-window layers (key[5]): the module's mask calls are recorded (`masks.py`)
+        # K tokens, one with sliding-window layers or another implementation than SDPA (key[5]): the module's mask
+        # calls are recorded (`masks.py`)
         mask_module = sys.modules[self.family.module] if key[1] > 1 or type(key[5]) is tuple else None
         watch, why = proof.watch_for(self.family)  # stage 2
         if why is not None:
@@ -186,7 +190,7 @@ class PiecewiseForward:
         pool = graphs.pool if graphs.recordings else None
         try:
             made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
-                          "sdpa", pool, mask_module, watch=watch)
+                          self.impl, pool, mask_module, watch=watch)
         except NotRecordable as error:
             graphs.sizes = list(map(len, graphs.dicts))  # what transformers' forward set on its modules meanwhile
             return self._eager(self._failed(key, f"not recordable: {error}"), inputs)
@@ -325,8 +329,17 @@ class PiecewiseForward:
         layout = tuple(map(type, cache.layers))
         if width != 1 and _SLIDING in layout:
             return None, None, "sliding-window layers in a forward of more than one token"
-        sliding = width == 1 and (_SLIDING in layout or getattr(self.model.config, "sliding_window", None) is not None)
-        if sliding:
+        # an implementation other than SDPA (eager attention's materialised mask, never skipped; flex attention's block
+        # mask) has its masks made at every replay by stock's mask functions from the step's own mask, whatever its
+        # padding or window (`masks.mask_call`), as for K tokens; the function it calls is looked up at each replay
+        # under the same implementation (`__call__`), which the key holds
+        self.impl = impl = getattr(self.model.config, "_attn_implementation", None)
+        remade = impl != "sdpa"
+        sliding = not remade and width == 1 and (
+            _SLIDING in layout or getattr(self.model.config, "sliding_window", None) is not None)
+        if remade:
+            mask, why = steps.wide_mask(inputs.get("attention_mask"), ids.shape[0], width, cache)
+        elif sliding:
             mask = inputs.get("attention_mask")
             why = steps.sliding_step(mask, cache, self.model.config, _SLIDING in layout)
         elif width == 1:
@@ -341,8 +354,10 @@ class PiecewiseForward:
             return None, None, "gradients or autocast enabled"
         key = (ids.shape[0], width, ids.dtype, positions.dtype, self.device,
                # one token: whether SDPA gets no mask; K tokens: the replay makes stock's mask, whatever the input;
-               # sliding-window layers: the replay answers each mask call on the host, whatever the input
-               ("sliding", layout) if sliding else mask is None if width == 1 else None, keep,
+               # sliding-window layers: the replay answers each mask call on the host, whatever the input; another
+               # implementation than SDPA: the replay makes its masks, and calls its attention function
+               ("remade", impl) if remade else ("sliding", layout) if sliding else mask is None if width == 1
+               else None, keep,
                # every torch setting that can change a kernel's choice or its numerics (`settings.py`)
                settings.read(),
                # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them

@@ -3,29 +3,36 @@
 **Recording** runs the model's own forward once, on the capture stream, with two interceptions:
 - `cache.update` (an attribute of the call's cache object, for the recording only) ends the capture of the current
   piece, replays it on the main stream (this step's real q/k/v), and runs the real `DynamicLayer.update` eagerly;
-- the attention function (transformers' registry entry for `sdpa`, swapped for the recording only, and passing
-  through to the original for every call that is not this recording's) runs the real attention eagerly on the main
-  stream, copies its output into a fixed buffer, and begins the capture of the next piece, which reads that buffer.
+- the attention function (whatever the forward looks up under the model's attention implementation: the registry's
+  entry for "sdpa", "flex_attention"..., the modeling module's `eager_attention_forward`, GPT-J's `_attn` method up to
+  5.23; `attention.py`), swapped for the recording only, and passing through to the original for every call that is
+  not this recording's, runs the real attention eagerly on the main stream, copies its output into a fixed buffer,
+  and begins the capture of the next piece, which reads that buffer. Eager attention also returns its weights: the
+  forward gets a stand-in that refuses the recording if any op touches it (`_UnreadWeights`; the decoder layers drop
+  them).
 So piece 0 is embedding + rotary + layer 0's norm, q/k/v projections and rotary; piece i (1..L-1) is layer i-1's
 o_proj, residual, post-attention norm, MLP and residual, and layer i's norm, projections and rotary; piece L ends
 with the final norm and the LM head. The kernels are the eager ones (a CUDA graph replays the launches it captured).
 
 The forward is handed fixed `input_ids` / `position_ids` buffers and, as its `attention_mask`, a 4D sentinel: a 4D
-mask is returned as it is by `create_causal_mask` (its first line), so no mask work lands in a piece. The real
-attention gets what stock's `create_causal_mask` gives it for the step (`forward.PiecewiseForward._attention_mask`):
-the loop's grown 4D mask, or None for an unpadded batch (SDPA's own causal path).
+mask is returned as it is by `create_causal_mask` (its first line), so no mask work lands in a piece. With SDPA the
+real attention of a one-token step gets what stock's `create_causal_mask` gives it for the step, known on the host
+(`steps.attention_mask`): the loop's grown 4D mask, or None for an unpadded batch (SDPA's own causal path). Any other
+implementation needs its mask made at every step (eager attention a materialised 4D float mask, never skipped; flex
+attention a block mask): its one-token recordings make their masks as the K-token ones below do.
 
-**Replay**: copy the step's ids and positions into the buffers; replay piece 0; per layer, the real `cache.update`
-of the piece's k/v and the real attention (looked up in the registry as the model looks it up) with the recorded
-arguments, its output copied into the buffer; replay the next piece. The returned cache holds the tensors
+**Replay** (`recording.py`): copy the step's ids and positions into the buffers; replay piece 0; per layer, the real
+`cache.update` of the piece's k/v and the real attention (looked up as the model looks it up, `attention.function`)
+with the recorded arguments, its output copied into the buffer; replay the next piece. The returned cache holds the tensors
 `DynamicLayer.update` made, as in stock, under the running release's field name (`past_key_values` up to 5.23,
 `cache` from 5.24: `cache_kwarg.py`).
 
 All pieces of a model share one memory pool and are replayed in the order they were captured; every tensor that
 crosses a piece boundary is kept referenced by the recording, so no later capture reuses its memory.
 
-**A forward of K > 1 tokens** (assisted decoding's verify forward, the draft's two-token prefill) is recorded the same
-way, with the pieces' shapes K tokens wide. Its attention mask is not one the host knows: stock builds a 4D mask
+**A forward of K > 1 tokens** (assisted decoding's verify forward, the draft's two-token prefill), and a one-token
+forward under any attention implementation other than SDPA, is recorded the same way, with the pieces' shapes K
+tokens wide. Its attention mask is not one the host knows: stock builds a 4D mask
 inside the forward (`create_causal_mask` -> `sdpa_mask`, padding included; it never skips it at K > 1). So the
 recording also intercepts the modeling module's mask functions (`create_causal_mask`, and Gemma 3's sliding one): each
 call returns a sentinel of its own, and its keyword arguments are recorded (the config, the embeddings tensor of
@@ -47,6 +54,8 @@ from ...state import concurrency
 from ..backend import backend_for
 from . import masks
 from .masks import POSITIONS, SCALARS
+from .proof import attention as sites
+from .recording import Recording  # noqa: F401 (a recording's graphs and buffers, and its replay)
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -62,68 +71,15 @@ class CaptureFailed(Exception):
     cause."""
 
 
-class Recording:
-    """The graphs and fixed buffers of one (model, batch, width, dtype, mask kind, ...) key."""
+def _outside_dispatch_modes():
+    """The code a recording runs eagerly between the pieces runs as stock runs it, outside the watch's op log (a
+    dispatch mode, `proof/watch.py`; the only one a recording runs under: `steps.why_mode`), which is paused there
+    anyway: a higher-order op (flex attention's) refuses a mode that does not declare it handles them."""
+    if not torch._C._len_torch_dispatch_stack():
+        return contextlib.nullcontext()
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    def __init__(self, ids, positions, sentinel):
-        self.ids, self.positions, self.sentinel = ids, positions, sentinel
-        self.graphs: list = []
-        self.layers: list = []  # per layer: (layer_idx, q, k, v, attention kwargs (positions marked), output buffer)
-        self.logits = None
-        self.output_type = None
-        self.pool = None
-        self.capture_seconds = 0.0
-        self.uses = 0  # replays: the least used of a model's multi-token recordings is dropped first
-        # K > 1: the modeling module, its mask calls [(function name, kwargs with markers)] and which call's mask
-        # each layer's attention got (an index into `mask_calls`); empty for a one-token forward
-        self.mask_module = None
-        self.mask_calls: list = []
-        self.mask_of_layer: list = []
-        # one token with sliding-window layers: the mask calls are answered on the host at each replay
-        # (`masks.host_mask`), not made again; the materialised windows it made, kept (`made`)
-        self.host_masks = False
-        self.host_made: dict = {}
-
-    def replay(self, cache, input_ids, position_ids, mask, attention_fn, modules, fresh_logits=False):
-        """This step's forward. `mask`: the attention's mask for a one-token forward, the step's own (2D or None)
-        mask for a K-token one. `fresh_logits`: return a copy of the logits buffer (a caller that keeps them past
-        the next replay: the verify forward, whose fp32 logits stock's loop writes into and returns as scores)."""
-        self.uses += 1
-        self.ids.copy_(input_ids)
-        self.positions.copy_(position_ids)
-        graphs = self.graphs
-        graphs[0].replay()
-        made = ((self._host_masks(cache, mask) if self.host_masks else self._masks(cache, mask)) if self.mask_calls
-                else None)
-        update = type(cache).update
-        for i, (layer_idx, q, k, v, kwargs, out) in enumerate(self.layers):
-            keys, values = update(cache, k, v, layer_idx)
-            if POSITIONS in kwargs.values():
-                kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
-            result = attention_fn(modules[i], q, keys, values, mask if made is None else made[self.mask_of_layer[i]],
-                                  **kwargs)[0]
-            out.copy_(result)
-            graphs[i + 1].replay()
-        return self.output(cache, fresh_logits)
-
-    def output(self, cache, fresh_logits=False):
-        """The forward's output: the logits buffer (a copy of it with `fresh_logits`) and the cache."""
-        logits = self.logits.clone() if fresh_logits else self.logits
-        return self.output_type(logits=logits, **cache_kwarg.output_field(cache))
-
-    def _host_masks(self, cache, mask) -> dict:
-        """A one-token step's masks with sliding-window layers, each mask call some layer reads answered on the host
-        as stock's function makes it for this step (`masks.host_mask`: `mask` is the step's own, without padding)."""
-        calls, batch, device, made = self.mask_calls, self.ids.shape[0], self.ids.device, self.host_made
-        return {index: masks.host_mask(calls[index][0], calls[index][1], mask, batch, cache, device, made)
-                for index in dict.fromkeys(self.mask_of_layer)}
-
-    def _masks(self, cache, mask) -> dict:
-        """The masks of the mask calls some layer reads, made as stock's forward makes them (the module's function,
-        looked up as the forward looks it up, with this step's mask, cache and positions)."""
-        module, calls = self.mask_module, self.mask_calls
-        return {index: masks.mask_call(getattr(module, calls[index][0]), calls[index][1], mask, cache, self.positions)
-                for index in dict.fromkeys(self.mask_of_layer)}
+    return _disable_current_modes()
 
 
 def _plain_update(args, kwargs) -> bool:
@@ -145,23 +101,23 @@ def _intercept(original):
     return attention
 
 
-@contextlib.contextmanager
 def _swapped_attention(impl: str):
-    """The registry entry `impl` replaced by the interceptor for the recording; restored whatever happens."""
+    """transformers' registry entry `impl` replaced by the interceptor for the recording; restored whatever happens
+    (the registry case of `attention.swapped`)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    local = ALL_ATTENTION_FUNCTIONS._local_mapping
-    had, before = impl in local, local.get(impl)
-    original = ALL_ATTENTION_FUNCTIONS[impl]
-    mine = local[impl] = _intercept(original)
-    try:
-        yield
-    finally:
-        if local.get(impl) is mine:  # another thread's registration meanwhile stays (red team hole 3)
-            if had:
-                local[impl] = before
-            else:
-                local.pop(impl, None)
+    return sites.swapped_entry(ALL_ATTENTION_FUNCTIONS, impl, _intercept)
+
+
+class _UnreadWeights(torch.Tensor):
+    """The attention weights a recording hands the forward where the attention function returned some (eager
+    attention does; SDPA returns None): a tensor, so that the forward's Python takes stock's path, which no op may
+    touch (transformers' decoder layers drop it). A replay has no weights: an op on them inside a piece would read the
+    recording's, so it refuses the recording instead."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise NotRecordable("the forward used the attention weights (a replay computes none)")
 
 
 class _Recorder:
@@ -279,15 +235,15 @@ class _Recorder:
                 raise NotRecordable(f"the attention's argument {name!r} is a {type(value).__name__}")
         with self.backend.stream(self.main):
             output, weights = self._eager(original, module, query, keys, values, real_mask, **kwargs)
-            if weights is not None:
-                raise NotRecordable("the attention returns weights")
             with self.quiet():
                 buffer = torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
                 buffer.copy_(output)
+                if weights is not None:
+                    weights = torch.Tensor._make_subclass(_UnreadWeights, torch.empty(0, device="meta"))
         self.rec.layers.append((layer_idx, query, k, v, recorded, buffer))
         self.stream.wait_stream(self.main)
         self.begin()
-        return buffer, None
+        return buffer, weights
 
     def mask(self, name, original, args, kwargs):
         """A mask function's call inside a K-token recording: its keywords recorded (markers for the step's mask,
@@ -315,11 +271,11 @@ class _Recorder:
         return self.rec.mask_module
 
     def _eager(self, function, *args, **kwargs):
-        """`function` run outside any capture, as stock runs it (the real cache update, the attention function
-        registered for "sdpa", a user's maybe): what it raises is its own, whatever its message says (red team hole
+        """`function` run outside any capture, as stock runs it (the real cache update, the attention function, a
+        user's maybe): what it raises is its own, whatever its message says (red team hole
         R12: "could not capture ..." from a user's attention), and reaches the caller as stock's raises it."""
         try:
-            with self.quiet():
+            with self.quiet(), _outside_dispatch_modes():
                 return function(*args, **kwargs)
         except BaseException as error:
             # out of memory stays the recording's (`capture_failure`): its pool holds memory stock's forward has free
@@ -352,14 +308,19 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     raised otherwise; returns None when another thread is inside
     generate() (a capture is not private then: `concurrency.py`).
 
-    `mask_module`: for a forward of K > 1 tokens, the modeling module whose mask calls are recorded and replayed
-    (`real_mask` is then the step's own 2D mask or None); for a one-token forward of a cache with sliding-window
-    layers, the module whose mask calls are recorded and answered on the host at each replay (`masks.host_mask`;
-    `real_mask` the step's own); None for any other one-token forward, whose attention gets `real_mask` itself.
+    `impl`: the model's attention implementation; the attention is intercepted where the forward looks it up under
+    it (`attention.swapped`). `mask_module`: for a forward of K > 1 tokens, or of one token under an implementation
+    other than SDPA, the modeling module whose mask calls are recorded and made again at each replay (`real_mask` is
+    then the step's own 2D mask or None); for a one-token SDPA forward of a cache with sliding-window layers, the
+    module whose mask calls are recorded and answered on the host at each replay (`masks.host_mask`; `real_mask` the
+    step's own); None for any other one-token forward, whose attention gets `real_mask` itself.
     `watch`: a `proof.watch.RunWatch` installed around the forward: what the run
     executed, for `proof.verdict` to judge after it."""
     import time
 
+    cut, why = sites.cut_of(type(modules[0]))
+    if cut is None:
+        raise NotRecordable(why)
     device = inputs["input_ids"].device
     batch = inputs["input_ids"].shape[0]
     recording = Recording(inputs["input_ids"].clone(), inputs["position_ids"].clone(),
@@ -374,8 +335,9 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         main = backend.current_stream(device)
         stream = backend.capture_stream(device)
         recording.mask_module = mask_module
-        # one token with a mask module: a cache with sliding-window layers, whose masks each replay answers on the host
-        recording.host_masks = mask_module is not None and inputs["input_ids"].shape[1] == 1
+        # one token with a mask module under SDPA: a cache with sliding-window layers, whose masks each replay answers
+        # on the host (any other implementation's masks are made again at each replay)
+        recording.host_masks = mask_module is not None and inputs["input_ids"].shape[1] == 1 and impl == "sdpa"
         recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend)
         recorder.config = model.config  # the config a mask call answered on the host must have been given
         recorder.watch = watch
@@ -387,8 +349,8 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         token = _ACTIVE.set(recorder)
         cache.update = recorder.update  # the call's own cache object, for this forward only
         try:
-            with _swapped_attention(impl), masks.swapped(mask_module, _ACTIVE), backend.stream(stream), (
-                    watch if watch is not None else contextlib.nullcontext()):
+            with sites.swapped(cut, impl, type(modules[0]), _intercept), masks.swapped(mask_module, _ACTIVE), \
+                    backend.stream(stream), (watch if watch is not None else contextlib.nullcontext()):
                 recorder.begin()
                 outputs = model_forward(**kwargs)
                 if len(recording.layers) != len(modules) or recorder.pending is not None:

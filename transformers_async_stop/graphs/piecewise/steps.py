@@ -43,6 +43,15 @@ def own_sdpa_mask() -> bool:
     return registry is not None and own is not None and registry.get("sdpa") is own
 
 
+def own_mask(impl: str) -> bool:
+    """The mask function registered for `impl` (which stock's mask functions call, and so does every replay of an
+    implementation other than SDPA: `masks.mask_call`) is transformers' own code."""
+    from .proof.default_deny import transformers_own
+
+    registry = getattr(masking_utils, "ALL_MASK_ATTENTION_FUNCTIONS", None)
+    return registry is not None and impl in registry and transformers_own(registry[impl])
+
+
 def default_device():
     """The default device `torch.set_default_device` put on the mode stack, None without one (a recording key).
     Reached only after `why_mode` found the stacks readable and holding no other function mode."""

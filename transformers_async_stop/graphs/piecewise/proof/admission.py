@@ -5,8 +5,11 @@ Decided once per call (and again before each recording, and when the model chang
 - the switch (`TRANSFORMERS_ASYNC_STOP_PIECEWISE=0` turns the path off), not compiling, a forward that is the
   model's own `__call__`;
 - the family (`family.find`), exactly its causal LM and base classes;
-- full-attention or sliding-window layers (a sliding layer's mask is answered on the host at each replay), no
-  cross-attention, no bidirectional attention, no attention logit soft-capping, SDPA from transformers' own registry;
+- full-attention or sliding-window layers (a sliding layer's mask is answered on the host at each replay, or made
+  again by stock's function), no cross-attention, no bidirectional attention;
+- an attention the forward calls as a function (any implementation transformers registers, or the modeling module's
+  eager one) or as GPT-J's `_attn` method, transformers' own, as is the mask function of its implementation
+  (`proof/attention.py`); each replay calls it eagerly, as stock does (its soft-capping, its dropout, its mask slicing);
 - rotary embeddings without per-length state (`dynamic`/`longrope` update their frequencies from the positions), or
   none (GPT-2's learned position table, read in the first piece from the positions buffer);
 - no hook anywhere in the model and no instance-level `forward` (accelerate's wrappers, offloading, user hooks, and
@@ -20,8 +23,9 @@ Decided once per call (and again before each recording, and when the model chang
   instance-level override; a user module, a peft adapter layer, a wrapper or a subclass anywhere keeps the forward
   eager, named in the reason. The torch functions the forward's code looks up must be torch's own, and no name a
   replay skips rebound since this process first saw it (`names.py`).
-Everything else keeps the eager forward, and `last_path().forward` says why. Gemma 2 is found, but transformers
-refuses SDPA for it at construction (its soft-capping): "attention implementation 'eager'".
+Everything else keeps the eager forward, and `last_path().forward` says why. BLOOM, MPT and Falcon compute their
+attention inline in the attention module's forward: "the attention is computed inside BloomAttention.forward, not by
+an attention function: no point to cut the forward at".
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 from ....release_checks.verified import matches, sources_of
 from ....state.call_state import compiling
 from ...backend import emulates
-from . import default_deny, names
+from . import attention, default_deny, names
 from .family import FAMILIES, STATIC_ROPE, base_of, find
 from .observed import why_global_hooks, why_not_tensors, why_observed
 
@@ -70,16 +74,12 @@ def why_not_model(model, model_forward) -> str | None:
             or type(model) is not getattr(module, causal_lm, None)):
         return f"{type(model).__name__} is not transformers' own {causal_lm}"
     config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return f"attention implementation {getattr(config, '_attn_implementation', None)!r} (only sdpa is proven)"
     if not getattr(config, "is_causal", True):
         return "not a causal model"
     if getattr(config, "add_cross_attention", False):
         return "cross-attention layers"
     if getattr(config, "use_bidirectional_attention", False):
         return "bidirectional attention"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return "attention logit soft-capping (SDPA refuses it)"
     # sliding-window layers (a window for every layer, or hybrid `layer_types`) take the path: which mask each
     # layer's attention gets is observed at the recording (its mask calls intercepted), and each replay answers them
     # on the host from the cache's sliding layer (`masks.host_mask`; a padded batch stays eager, `steps.sliding_step`)
@@ -123,7 +123,23 @@ def why_not_model(model, model_forward) -> str | None:
     why = default_deny.why_foreign_functions(names.watched_functions(model, module))
     if why is not None:
         return why
+    # after default-deny: every layer is then transformers' own class, holding its attention where the family says
+    why = _why_not_attention(family.attentions(base, config), config)
+    if why is not None:
+        return why
     return _why_not_device(model)
+
+
+def _why_not_attention(modules, config) -> str | None:
+    """Why a replay cannot call the attention of `modules` (the attention modules the forward is cut at) as their
+    forward calls it (`proof/attention.py`): the forward computes it inline (no call to cut at), the layers' classes differ,
+    or the function the implementation looks up (eager, sdpa, flex, ...) or its mask function is not transformers'
+    own. What the function does (soft-capping, dropout, a slice of the mask) runs at every replay as in stock: the
+    scalars it is handed are recorded and compared (`staleness.py`), training mode keeps the forward eager."""
+    if not modules or any(type(module) is not type(modules[0]) for module in modules):
+        return "attention modules of several classes"
+    cut, why = attention.cut_of(type(modules[0]))
+    return why or attention.why_not(cut, getattr(config, "_attn_implementation", None), modules)
 
 
 def why_not_again(model, model_forward, graphs) -> str | None:

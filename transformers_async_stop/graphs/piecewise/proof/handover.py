@@ -6,9 +6,9 @@ user code can change after the proof is compared before every replay, in one of 
 - `WatchSet.why_eager()`, per step, what sends the rest of the call to the eager forward: a hook added to a module
   or globally, a `forward` set on an instance, a module whose forward reads it put in training mode (torch's Linear,
   Embedding, norms and activations left in training mode by `resize_token_embeddings` compute the same), a name
-  the replay skips rebound since this process first saw it (`names.watched`), the attention implementation
-  changed, an attention or mask function registered for "sdpa" that is not transformers' own, a torch function or
-  dispatch mode active;
+  the replay skips rebound since this process first saw it (`names.watched`), an attention function (looked up
+  under the step's implementation) or a mask function that is not transformers' own (`attention.why_not`), a torch
+  function or dispatch mode active;
 - `staleness.ModelGraphs.changed()`, per step, what makes the model's recordings stale (they are dropped, the model
   is proven again and recorded anew): the modules, their classes, parameters, buffers and attributes, the configs,
   the torch names the replayed Python looks up (`functions`), the names the code that ran looks up and the registries
@@ -30,7 +30,7 @@ import sys
 import torch
 
 from .. import steps
-from . import default_deny, names
+from . import attention, default_deny, names
 from .family import FAMILIES, base_of
 
 _TRAINING = operator.attrgetter("training")
@@ -89,16 +89,13 @@ class WatchSet:
         owners, attrs, first = self.rebound
         if any(map(operator.is_not, map(getattr, owners, attrs), first)):
             return names.why_rebound(zip(owners, attrs, first))
-        if getattr(self.model.config, "_attn_implementation", None) != "sdpa":
-            return "the attention implementation changed"
-        if not default_deny.transformers_own(attention_function()):
-            # each replay calls it eagerly for every layer: user code there could change what the rest of the step
-            # reads, which the recording baked in (red team Q6)
-            return "an attention function registered for sdpa that is not transformers' own"
-        if not steps.own_sdpa_mask():
-            # stock's `create_causal_mask` calls the mask function registered for "sdpa" at every step; a replay's
-            # mask is the one `steps.attention_mask` worked out for transformers' own
-            return "a mask function registered for sdpa"
+        # the attention function each replay calls eagerly for every layer, looked up under the step's implementation
+        # (part of the recording key: one set mid-call records again), and the mask function its masks come from:
+        # transformers' own (`attention.why_not`; red team Q6)
+        cut, why = attention.cut_of(type(self.modules[0]))
+        why = why or attention.why_not(cut, getattr(self.model.config, "_attn_implementation", None), self.modules)
+        if why is not None:
+            return why
         return steps.why_mode()
 
     def functions(self) -> list:
@@ -107,11 +104,11 @@ class WatchSet:
         return list(self.rebound[2])
 
 
-def attention_function():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    # `get` rather than `get_interface`: the latter is 5.x-only, and for "sdpa" both read the same two mappings
-    return ALL_ATTENTION_FUNCTIONS.get("sdpa")
+def attention_function(modules, impl):
+    """The attention function a replay calls for `modules` (the model's attention modules) under `impl`, looked up as
+    their forward looks it up (`attention.function`)."""
+    cut, _ = attention.cut_of(type(modules[0]))
+    return attention.function(cut, impl, type(modules[0])) if cut is not None else None
 
 
 def _hook_tables(module) -> tuple:

@@ -1,0 +1,197 @@
+"""Where a decode forward calls its attention, the function a replay calls there, and how a recording intercepts it.
+
+A recording cuts the forward between each layer's cache update and its attention, and every replay runs the attention
+eagerly between the pieces, with the arguments the recording kept (`graphs.py`). So the attention's kernel choice,
+its soft-capping, its dropout (off outside training: the forward passes `dropout=0.0`, and training mode sends every
+step to the eager forward), its slice of the mask by the key length, whatever the implementation does, is stock's at
+every step: it is stock's function, called with this step's query, keys, values and mask. What the recording bakes in
+is only where the call is and which scalars it takes. Where the call is (a `Cut`, per attention class):
+
+- **function** (every family of transformers 5.x): the attention module's `forward` looks its function up in its
+  modeling module's `ALL_ATTENTION_FUNCTIONS` by `config._attn_implementation`, with the module's own eager function
+  (`eager_attention_forward`, a module global) as the default: `get_interface(impl, eager_attention_forward)`. Every
+  implementation transformers registers ("sdpa", "flex_attention", "flash_attention_2", ...) is the registry's entry;
+  "eager" is the module's function unless someone registered an "eager". A replay looks it up the same way, with
+  the same call (`function`);
+- **method** (GPT-J up to 5.23): the forward calls a method of the attention module itself, `self._attn(query, key,
+  value, attention_mask)`. A replay calls the class's method with the module (an instance-level `_attn` keeps the
+  forward eager, `why_not`);
+- none: the attention is computed inline in the module's `forward` (BLOOM, MPT, Falcon): there is no call to cut the
+  forward at, and the model keeps its eager forward, named.
+
+A recording replaces exactly the object that lookup finds (the registry entry, the module global or the class's
+method) with an interceptor for the length of the recording (`swapped`): a forward that looks its attention up another
+way never reaches the interceptor, and the recording fails, named. Every replay looks the function up again, and the
+per-step checks (`why_not`) keep the forward eager where it is not transformers' own (a user's function rebound or
+registered: stock would run it too, but user code there could change what the rest of the step reads, which the
+recording baked in), or where the mask function the implementation's masks come from is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import weakref
+
+from .. import steps
+from .default_deny import transformers_own
+from .names import code_names
+
+FUNCTION, METHOD = "function", "method"
+# the attention module's methods that compute the attention for its `forward` (GPT-J's, up to 5.23)
+_METHODS = ("_attn",)
+_REGISTRY = "ALL_ATTENTION_FUNCTIONS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """Where an attention class's `forward` calls its attention."""
+
+    kind: str  # FUNCTION or METHOD
+    # FUNCTION: the modeling module's global the forward hands `get_interface` as its default (None: it names none);
+    # METHOD: the method's name
+    name: str | None
+    module: str  # the module whose globals the forward runs with (where a FUNCTION's registry and default are)
+
+
+_CUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention class -> (Cut | None, why)
+
+
+def cut_of(cls) -> tuple[Cut | None, str | None]:
+    """(where `cls.forward` calls its attention, None), or (None, why there is no such call). Remembered per class."""
+    try:
+        found = _CUTS.get(cls)
+    except TypeError:
+        found = None
+    if found is None:
+        found = _find_cut(cls)
+        try:
+            _CUTS[cls] = found
+        except TypeError:
+            pass
+    return found
+
+
+def _find_cut(cls) -> tuple[Cut | None, str | None]:
+    forward = getattr(cls, "forward", None)
+    inner = forward
+    while hasattr(inner, "__wrapped__"):  # `deprecate_kwarg`'s wrapper: the globals are the wrapped function's
+        inner = inner.__wrapped__
+    table = getattr(inner, "__globals__", None)
+    if forward is None or table is None:
+        return None, f"{cls.__name__} has no forward of its own code"
+    names = code_names(forward)
+    module = table.get("__name__", "")
+    if _REGISTRY in names and _REGISTRY in table:
+        # the default `get_interface` is handed: the module's eager function (its name varies: `eager_attention_
+        # forward`, `simple_eager_attention_forward`...); one found among the names the forward looks up
+        defaults = sorted(name for name in names if name.endswith("attention_forward") and "eager" in name
+                          and callable(table.get(name)))
+        return Cut(FUNCTION, defaults[0] if len(defaults) == 1 else None, module), None
+    for name in _METHODS:
+        if name in names and callable(getattr(cls, name, None)):
+            return Cut(METHOD, name, module), None
+    return None, (f"the attention is computed inside {cls.__name__}.forward, not by an attention function: no point "
+                  "to cut the forward at")
+
+
+def function(cut: Cut, impl, cls):
+    """The function the forward of an attention module of class `cls` calls under `impl` now, looked up as the forward
+    looks it up, as `function(module, query, key, value, mask, **kwargs)`; None where the forward would find none (an
+    implementation not registered: its `get_interface` raises)."""
+    if cut.kind == METHOD:
+        return getattr(cls, cut.name, None)
+    module = sys.modules.get(cut.module)
+    registry = getattr(module, _REGISTRY, None)
+    if registry is None or not _plain_impl(impl):
+        return None
+    default = getattr(module, cut.name, None) if cut.name is not None else None
+    try:
+        return registry.get_interface(impl, default)
+    except KeyError:
+        return None
+
+
+def _plain_impl(impl) -> bool:
+    # None makes `get_interface` log a warning, and a "paged|" one runs over a paged cache (never a DynamicCache)
+    return type(impl) is str and not impl.startswith("paged|")
+
+
+def why_not(cut: Cut, impl, modules) -> str | None:
+    """Why a replay may not call the attention of `modules` (the model's attention modules, in order) under `impl`
+    now (None: it may). Asked before the call is recorded (`admission.py`) and at every step (`handover.py`)."""
+    if not _plain_impl(impl):
+        return f"attention implementation {impl!r}"
+    cls = type(modules[0])
+    attention = function(cut, impl, cls)
+    if attention is None:
+        return f"no attention function for {impl!r}"
+    if not transformers_own(attention):
+        # each replay calls it eagerly for every layer: user code there could change what the rest of the step reads,
+        # which the recording baked in (red team Q6)
+        if cut.kind == METHOD:
+            return f"{cls.__name__}.{cut.name} is not transformers' own"
+        return f"an attention function for {impl} that is not transformers' own"
+    if cut.kind == METHOD and any(cut.name in vars(module) for module in modules):
+        return f"an instance-level {cut.name} on an attention module"
+    if impl == "sdpa":
+        if not steps.own_sdpa_mask():
+            # stock's `create_causal_mask` calls the mask function registered for "sdpa" at every step; a replay's
+            # one-token mask is the one `steps.attention_mask` worked out for transformers' own
+            return "a mask function registered for sdpa"
+    elif not steps.own_mask(impl):
+        # every replay makes the masks with stock's mask functions (`masks.mask_call`), which call it
+        return f"a mask function for {impl} that is not transformers' own"
+    return None
+
+
+@contextlib.contextmanager
+def swapped(cut: Cut, impl, cls, intercept):
+    """The object the attention's lookup finds under `impl` (the registry's entry, the module's default function, the
+    class's method) replaced by `intercept(original)` for a recording; restored whatever happens. A registration or
+    rebinding by another thread meanwhile stays (red team hole 3): only the interceptor is undone."""
+    if cut.kind == METHOD:
+        with _swapped_attribute(cls, cut.name, intercept):
+            yield
+        return
+    module = sys.modules[cut.module]
+    registry = getattr(module, _REGISTRY)
+    if impl in registry:
+        with swapped_entry(registry, impl, intercept):
+            yield
+    else:  # "eager" unregistered: `get_interface` returns its default, the module's function
+        with _swapped_attribute(module, cut.name, intercept):
+            yield
+
+
+@contextlib.contextmanager
+def swapped_entry(registry, impl: str, intercept):
+    """`registry`'s entry `impl` replaced by `intercept(original)` in its local mapping, which the lookup reads
+    first; restored whatever happens."""
+    local = registry._local_mapping
+    had, before = impl in local, local.get(impl)
+    mine = local[impl] = intercept(registry[impl])
+    try:
+        yield
+    finally:
+        if local.get(impl) is mine:
+            if had:
+                local[impl] = before
+            else:
+                local.pop(impl, None)
+
+
+@contextlib.contextmanager
+def _swapped_attribute(owner, name: str, intercept):
+    had, before = name in vars(owner), vars(owner).get(name)
+    mine = intercept(getattr(owner, name))
+    setattr(owner, name, mine)
+    try:
+        yield
+    finally:
+        if vars(owner).get(name) is mine:
+            if had:
+                setattr(owner, name, before)
+            else:
+                delattr(owner, name)

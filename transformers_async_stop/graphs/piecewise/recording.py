@@ -1,0 +1,78 @@
+"""One recording of a decode forward (`graphs.record`): its graphs, fixed buffers and recorded calls, and its replay.
+
+**Replay**: copy the step's ids and positions into the buffers; replay piece 0; make the step's masks where the
+recording made them again (`masks.py`: a K-token forward, or any implementation other than SDPA) or answer them on the
+host (one token, sliding-window layers, SDPA); per layer, the real `cache.update` of the piece's k/v and the real
+attention (the function the forward looks up now, `attention.function`) with the recorded arguments, its output copied
+into the buffer; replay the next piece (`graphs.py` describes the pieces).
+"""
+
+from __future__ import annotations
+
+from ...release_checks import cache_kwarg
+from . import masks
+from .masks import POSITIONS
+
+
+class Recording:
+    """The graphs and fixed buffers of one (model, batch, width, dtype, mask kind, ...) key."""
+
+    def __init__(self, ids, positions, sentinel):
+        self.ids, self.positions, self.sentinel = ids, positions, sentinel
+        self.graphs: list = []
+        self.layers: list = []  # per layer: (layer_idx, q, k, v, attention kwargs (positions marked), output buffer)
+        self.logits = None
+        self.output_type = None
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.uses = 0  # replays: the least used of a model's multi-token recordings is dropped first
+        # K > 1: the modeling module, its mask calls [(function name, kwargs with markers)] and which call's mask
+        # each layer's attention got (an index into `mask_calls`); empty for a one-token forward
+        self.mask_module = None
+        self.mask_calls: list = []
+        self.mask_of_layer: list = []
+        # one token with sliding-window layers: the mask calls are answered on the host at each replay
+        # (`masks.host_mask`), not made again; the materialised windows it made, kept (`made`)
+        self.host_masks = False
+        self.host_made: dict = {}
+
+    def replay(self, cache, input_ids, position_ids, mask, attention_fn, modules, fresh_logits=False):
+        """This step's forward. `mask`: the attention's mask for a one-token forward, the step's own (2D or None)
+        mask for a K-token one. `fresh_logits`: return a copy of the logits buffer (a caller that keeps them past
+        the next replay: the verify forward, whose fp32 logits stock's loop writes into and returns as scores)."""
+        self.uses += 1
+        self.ids.copy_(input_ids)
+        self.positions.copy_(position_ids)
+        graphs = self.graphs
+        graphs[0].replay()
+        made = ((self._host_masks(cache, mask) if self.host_masks else self._masks(cache, mask)) if self.mask_calls
+                else None)
+        update = type(cache).update
+        for i, (layer_idx, q, k, v, kwargs, out) in enumerate(self.layers):
+            keys, values = update(cache, k, v, layer_idx)
+            if POSITIONS in kwargs.values():
+                kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
+            result = attention_fn(modules[i], q, keys, values, mask if made is None else made[self.mask_of_layer[i]],
+                                  **kwargs)[0]
+            out.copy_(result)
+            graphs[i + 1].replay()
+        return self.output(cache, fresh_logits)
+
+    def output(self, cache, fresh_logits=False):
+        """The forward's output: the logits buffer (a copy of it with `fresh_logits`) and the cache."""
+        logits = self.logits.clone() if fresh_logits else self.logits
+        return self.output_type(logits=logits, **cache_kwarg.output_field(cache))
+
+    def _host_masks(self, cache, mask) -> dict:
+        """A one-token step's masks with sliding-window layers, each mask call some layer reads answered on the host
+        as stock's function makes it for this step (`masks.host_mask`: `mask` is the step's own, without padding)."""
+        calls, batch, device, made = self.mask_calls, self.ids.shape[0], self.ids.device, self.host_made
+        return {index: masks.host_mask(calls[index][0], calls[index][1], mask, batch, cache, device, made)
+                for index in dict.fromkeys(self.mask_of_layer)}
+
+    def _masks(self, cache, mask) -> dict:
+        """The masks of the mask calls some layer reads, made as stock's forward makes them (the module's function,
+        looked up as the forward looks it up, with this step's mask, cache and positions)."""
+        module, calls = self.mask_module, self.mask_calls
+        return {index: masks.mask_call(getattr(module, calls[index][0]), calls[index][1], mask, cache, self.positions)
+                for index in dict.fromkeys(self.mask_of_layer)}
