@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import sys
 import tempfile
@@ -74,7 +75,10 @@ class TinyCpuRun(unittest.TestCase):
             # on CPU the flag's deferred path is forced, as in the bench
             self.assertTrue(record["variants"]["flag"]["path"].startswith("deferred"), name)
             for entry in record["variants"].values():
-                self.assertGreater(entry["ms_per_token"], 0)
+                # (t_N - t_1) / (N - 1): a difference of two timings, which CPU noise can make negative; no timing
+                # is asserted, only that one was measured
+                self.assertIsInstance(entry["ms_per_token"], float)
+                self.assertTrue(math.isfinite(entry["ms_per_token"]))
                 self.assertIsNone(entry["syncs_per_step"], "syncs are counted on CUDA only")
                 self.assertIsNone(entry["busy"], "GPU busy is measured on CUDA only")
 

@@ -266,5 +266,29 @@ class ExtraStepStaysInsideObservedTables(unittest.TestCase):
         self.assertTrue(described.startswith("deferred"), described)
 
 
+class PositionsWithAFixedFill(unittest.TestCase):
+    """4.57's input preparation fills the padded rows' positions with 1 (`position_ids.masked_fill_(attention_mask ==
+    0, 1)`): a value that does not grow is no nearer a table's end one forward later, so the table keeps all its
+    positions (it was one short: the verdict at the last position was read a step early)."""
+
+    def test_a_fixed_fill_of_the_positions_adds_no_offset(self):
+        table = torch.randn(12, 4)
+        mask = torch.ones(1, 6, dtype=torch.long)
+        with position_reads.PositionReads([table], [(mask, position_reads.MASK)]) as reads:
+            positions = mask.cumsum(-1) - 1
+            positions.masked_fill_(mask == 0, 1)
+            torch.nn.functional.embedding(positions, table)
+        self.assertIsNone(reads.failed)
+        self.assertEqual(reads.index_reads, [(12, 0)])
+
+    def test_a_growing_offset_still_counts(self):
+        table = torch.randn(12, 4)
+        mask = torch.ones(1, 6, dtype=torch.long)
+        with position_reads.PositionReads([table], [(mask, position_reads.MASK)]) as reads:
+            positions = (mask.cumsum(-1) + 1).masked_fill(mask == 0, 1)  # OPT's offset of 2 from a count
+            torch.nn.functional.embedding(positions, table)
+        self.assertEqual(reads.index_reads, [(12, 2)])
+
+
 if __name__ == "__main__":
     unittest.main()

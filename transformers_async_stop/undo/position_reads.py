@@ -390,9 +390,9 @@ def _join(data, labels) -> Label:
     up, down = any(label.up for label in labels), any(label.down for label in labels)
     if up:
         offs = [label.off for label in labels if label.up]
-        fixed = [label.top for label in labels if not label.up]
-        # a fixed value v stays within the positions plus v: it joins the offsets
-        off = None if None in offs or None in fixed else max(offs + fixed)
+        # a value that does not grow (4.57's `position_ids.masked_fill_(attention_mask == 0, 1)`) is no further from
+        # a table's end one forward later: every forward reads it, stock's last one too, so it sets no offset
+        off = None if None in offs else max(offs)
         return Label(data=data, up=True, down=down, off=off)
     tops, bots = [label.top for label in labels], [label.bot for label in labels]
     return Label(data=data, down=down, top=None if None in tops else max(tops, default=None),

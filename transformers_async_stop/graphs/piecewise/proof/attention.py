@@ -107,10 +107,21 @@ def function(cut: Cut, impl, cls):
     if registry is None or not _plain_impl(impl):
         return None
     default = getattr(module, cut.name, None) if cut.name is not None else None
+    if not hasattr(registry, "get_interface"):  # before `get_interface` (4.57, 5.0): the forward's own two lines
+        return default if impl == "eager" else registry.get(impl)
     try:
         return registry.get_interface(impl, default)
     except KeyError:
         return None
+
+
+def _reads_registry(registry, impl: str) -> bool:
+    """Whether the forward's lookup under `impl` finds the registry's entry (else the module's eager function).
+    `get_interface` reads a registered entry, "eager" included; before it (4.57, 5.0) the forward took its eager
+    function for "eager" and `ALL_ATTENTION_FUNCTIONS[impl]` for anything else."""
+    if hasattr(registry, "get_interface"):
+        return impl in registry
+    return impl != "eager"
 
 
 def _plain_impl(impl) -> bool:
@@ -157,10 +168,10 @@ def swapped(cut: Cut, impl, cls, intercept):
         return
     module = sys.modules[cut.module]
     registry = getattr(module, _REGISTRY)
-    if impl in registry:
+    if _reads_registry(registry, impl):
         with swapped_entry(registry, impl, intercept):
             yield
-    else:  # "eager" unregistered: `get_interface` returns its default, the module's function
+    else:  # the lookup returns its default, the module's eager function
         with _swapped_attribute(module, cut.name, intercept):
             yield
 
