@@ -219,13 +219,13 @@ class TheForwardIsNamed(unittest.TestCase):
         self.assertEqual(last_path().describe(), described)
         self.assertEqual(logged, [f"INFO:transformers_async_stop:generate() [greedy]: {described}"])
 
-    def test_a_padded_qwen3_batch_says_eager_and_why(self):
+    def test_a_padded_qwen3_batch_says_graphed(self):
         from test_piecewise import build_any
 
         ids, mask = prompt(batch=3, left_pad=True)
         logged = self._logged(build_any("qwen3"), ids, mask)
-        # the loop grows no 4D mask for Qwen3: the model builds it from the padded 2D mask inside its forward
-        described = "deferred, dynamic loop, forward eager: a padded 2D mask (the model builds its 4D mask this step)"
+        # the loop grows no 4D mask for Qwen3: each replay makes it from the padded 2D mask with stock's functions
+        described = "deferred, dynamic loop, forward graphed (3 pieces)"
         self.assertEqual(last_path().describe(), described)
         self.assertEqual(logged, [f"INFO:transformers_async_stop:generate() [greedy]: {described}"])
 

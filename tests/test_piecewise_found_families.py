@@ -3,7 +3,7 @@
 
 Every family of the table (tests/family_models.py) on CUDA (skipped without it) and on the CPU with the graphs
 emulated: bit-exact against unpatched transformers (sequences, scores, logits, the returned cache, the RNG state after
-the call), greedy and sampling, batch 1 and a left-padded batch; `last_path().forward` says graphed, or, for the
+the call), greedy and sampling, batch 1 and a left-padded batch; `last_path().forward` says graphed (padded too), or, for the
 families kept eager by design (Falcon, OPT), why. Then the proof's own parts: the rules on unread code, the normal
 form of modular copies, the op comparison of two recordings, foreign code that ran, a trace function already set.
 """
@@ -51,9 +51,8 @@ class _FamilyCases:
                                  eos_token_id=None)
         path = tas.last_path()
         self.assertTrue(path.describe().startswith("deferred, dynamic loop, forward "), path.describe())
-        if padded:
-            pass  # a padded batch may stay eager for its mask (`steps.attention_mask`): equal all the same
-        elif family in EAGER:
+        # a padded batch too: each replay makes its masks with stock's functions from the step's 2D mask
+        if family in EAGER:
             self.assertTrue(any(why in path.forward for why in EAGER[family]), f"{family}: {path.forward}")
         else:
             self.assertTrue(path.forward.startswith("graphed ("), f"{family}: {path.forward}")

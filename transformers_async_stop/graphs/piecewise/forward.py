@@ -4,10 +4,10 @@ Per step, before any replay, it checks what a replay would otherwise get wrong, 
 model's own) where it cannot replay:
 - the step's inputs: only `input_ids` / `position_ids` (one column), the cache (`past_key_values` up to 5.23,
   `cache` from 5.24: `cache_kwarg.py`), `use_cache`, `logits_to_keep`,
-  `return_dict`, and with SDPA a mask whose effect on the attention is known on the host (`steps.attention_mask`),
-  or for K > 1 tokens, and under any other attention implementation (eager, flex...), the step's own mask, from
-  which each replay makes stock's (`steps.wide_mask`); with sliding-window layers and SDPA a batch without padding,
-  whose masks each replay answers on the host per recorded mask call (`steps.sliding_step`, `masks.host_mask`);
+  `return_dict`, and a mask of a kind a replay can give the attention as stock's forward would (`mask_kind.py`):
+  known on the host (SDPA, one token), answered on the host per recorded mask call (sliding-window layers, no
+  padding), or made again by stock's mask functions from the step's own mask (K > 1 tokens, a padded batch, any
+  other attention implementation);
 - staleness (`staleness.py`): a module, parameter or buffer replaced, its storage moved (`.to()`, `.data =`, a dtype
   change) or its shape or stride changed on the same storage, a plain attribute of a module or a config rebound (a
   norm's epsilon, an attention's scaling) or a config's list or dict edited in place: the model's recordings are
@@ -39,7 +39,7 @@ import sys
 import torch
 
 from ...release_checks import cache_kwarg
-from . import proof, settings, steps
+from . import mask_kind, proof, settings, steps
 from .graphs import CaptureFailed, NotRecordable, record
 from .proof.observed import why_not_cache
 from .staleness import ModelGraphs, graphs_of  # noqa: F401 (the per-model store: `forward.graphs_of`)
@@ -49,10 +49,6 @@ MAX_WIDE = 8  # K-token recordings per model (verify widths, the draft's prefill
 ROLES = ("decode", "draft", "verify")
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
-try:
-    from transformers.cache_utils import DynamicSlidingWindowLayer as _SLIDING
-except ImportError:  # a release without it: no cache holds one
-    _SLIDING = None
 
 
 class PiecewiseForward:
@@ -82,6 +78,10 @@ class PiecewiseForward:
         self.replayed = self.eager_steps = 0
         self.last_eager = None
         self.impl = None  # the attention implementation of the step (`_step`)
+        # a one-token step handed a padded 2D mask is recorded with its masks made at each replay by stock's
+        # functions (as another implementation's are); off where the loop hands a grown 4D mask from the next step on
+        # (`dynamic_loop/wide_mask.py`): that first step alone stays eager, and no batch size takes two recordings
+        self.remakes_padded = True
 
     def _watch(self) -> None:
         """The per-step checks' set, from the model as it is now (again after a change was found and the model proven
@@ -190,7 +190,8 @@ class PiecewiseForward:
         pool = graphs.pool if graphs.recordings else None
         try:
             made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
-                          self.impl, pool, mask_module, watch=watch)
+                          self.impl, pool, mask_module, watch=watch,
+                          host_masks=type(key[5]) is tuple and key[5][0] == "sliding")
         except NotRecordable as error:
             graphs.sizes = list(map(len, graphs.dicts))  # what transformers' forward set on its modules meanwhile
             return self._eager(self._failed(key, f"not recordable: {error}"), inputs)
@@ -321,31 +322,9 @@ class PiecewiseForward:
             return None, None, why
         if len(cache.layers) != len(self.modules) or not cache.layers[0].is_initialized:
             return None, None, "a cache not filled by this model's prefill"
-        # sliding-window layers, or a window in the config (its forward may build a sliding mask, over any cache:
-        # red team hole F): each layer's mask is the one its mask call gives, answered on the host at each replay
-        # (`masks.host_mask`) from the step's own mask; a recording holds for the cache's layout it was made with
-        # (K tokens: each replay makes stock's masks with stock's functions, `steps.wide_mask`; sliding layers stay
-        # eager there)
-        layout = tuple(map(type, cache.layers))
-        if width != 1 and _SLIDING in layout:
-            return None, None, "sliding-window layers in a forward of more than one token"
-        # an implementation other than SDPA (eager attention's materialised mask, never skipped; flex attention's block
-        # mask) has its masks made at every replay by stock's mask functions from the step's own mask, whatever its
-        # padding or window (`masks.mask_call`), as for K tokens; the function it calls is looked up at each replay
-        # under the same implementation (`__call__`), which the key holds
         self.impl = impl = getattr(self.model.config, "_attn_implementation", None)
-        remade = impl != "sdpa"
-        sliding = not remade and width == 1 and (
-            _SLIDING in layout or getattr(self.model.config, "sliding_window", None) is not None)
-        if remade:
-            mask, why = steps.wide_mask(inputs.get("attention_mask"), ids.shape[0], width, cache)
-        elif sliding:
-            mask = inputs.get("attention_mask")
-            why = steps.sliding_step(mask, cache, self.model.config, _SLIDING in layout)
-        elif width == 1:
-            mask, why = steps.attention_mask(inputs.get("attention_mask"), ids.shape[0], cache)
-        else:
-            mask, why = steps.wide_mask(inputs.get("attention_mask"), ids.shape[0], width, cache)
+        mask, kind, why = mask_kind.of_step(inputs.get("attention_mask"), ids.shape[0], cache, self.model.config, impl,
+                                            width, self.remakes_padded)
         if why is not None:
             return None, None, why
         # autocast of the model's device (`is_autocast_enabled()` alone is CUDA's: a CPU model's recording under CPU
@@ -353,11 +332,8 @@ class PiecewiseForward:
         if torch.is_grad_enabled() or torch.is_autocast_enabled() or torch.is_autocast_enabled(self.device.type):
             return None, None, "gradients or autocast enabled"
         key = (ids.shape[0], width, ids.dtype, positions.dtype, self.device,
-               # one token: whether SDPA gets no mask; K tokens: the replay makes stock's mask, whatever the input;
-               # sliding-window layers: the replay answers each mask call on the host, whatever the input; another
-               # implementation than SDPA: the replay makes its masks, and calls its attention function
-               ("remade", impl) if remade else ("sliding", layout) if sliding else mask is None if width == 1
-               else None, keep,
+               # how the replay gets its masks (`mask_kind.of_step`)
+               kind, keep,
                # every torch setting that can change a kernel's choice or its numerics (`settings.py`)
                settings.read(),
                # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them

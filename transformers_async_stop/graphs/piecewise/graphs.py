@@ -302,7 +302,7 @@ class _Recorder:
 
 
 def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: str, pool, mask_module=None,
-           watch=None):
+           watch=None, host_masks=False):
     """Record the forward for `inputs`; (Recording, this step's outputs). Raises `NotRecordable` or
     `CaptureFailed` (nothing of this step done: the cache is as it was; `capture_failure`), or what the forward
     raised otherwise; returns None when another thread is inside
@@ -335,9 +335,10 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         main = backend.current_stream(device)
         stream = backend.capture_stream(device)
         recording.mask_module = mask_module
-        # one token with a mask module under SDPA: a cache with sliding-window layers, whose masks each replay answers
-        # on the host (any other implementation's masks are made again at each replay)
-        recording.host_masks = mask_module is not None and inputs["input_ids"].shape[1] == 1 and impl == "sdpa"
+        # one token with a mask module under SDPA and no padding, over a cache with sliding-window layers: its masks
+        # each replay answers on the host (any other implementation's, or a padded batch's, are made again at each
+        # replay)
+        recording.host_masks = host_masks and mask_module is not None and inputs["input_ids"].shape[1] == 1
         recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend)
         recorder.config = model.config  # the config a mask call answered on the host must have been given
         recorder.watch = watch

@@ -72,6 +72,9 @@ def row(tensor, device) -> bool:
             and tensor.dtype == torch.long and tensor.device == device)
 
 
+PADDED_2D = "a padded 2D mask (the model builds its 4D mask this step)"
+
+
 def attention_mask(mask, batch: int, cache):
     """What stock's `create_causal_mask` hands the attention at this decode step, known on the host: (mask, None),
     or (None, why the step runs eagerly).
@@ -99,7 +102,7 @@ def attention_mask(mask, batch: int, cache):
         tag = masking._tag_of(mask)
         if tag is not None and not tag[0].padded and tag[1] == mask.shape[-1]:
             return None, None
-        return None, "a padded 2D mask (the model builds its 4D mask this step)"
+        return None, PADDED_2D
     return None, "a mask the recording does not take"
 
 
@@ -119,6 +122,8 @@ def wide_mask(mask, batch: int, width: int, cache):
 
 
 SLIDING_PADDED = "a padded batch with sliding-window layers (the model builds its masks this step)"
+# `sliding_step`'s answers for a padded batch, whose masks a replay makes with stock's functions instead
+PADDED = (SLIDING_PADDED, PADDED_2D)
 
 
 def sliding_step(mask, cache, config, holds_sliding=True) -> str | None:
@@ -135,7 +140,7 @@ def sliding_step(mask, cache, config, holds_sliding=True) -> str | None:
             return "a 2D mask whose length is not the cache's + 1"
         tag = masking._tag_of(mask)
         if tag is None or tag[0].padded or tag[1] != mask.shape[-1]:
-            return SLIDING_PADDED if holds_sliding else "a padded 2D mask (the model builds its 4D mask this step)"
+            return SLIDING_PADDED if holds_sliding else PADDED_2D
     if not holds_sliding:
         # a window in the config over full-attention layers only (Gemma 3 configured so): a layer that takes the
         # sliding mask stops the recording (`graphs._Recorder.attention`)
