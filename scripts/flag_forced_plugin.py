@@ -6,7 +6,7 @@
 unset value resolve to True instead of False (5.x resolves unset generation fields through
 `GenerationConfig._get_default_generation_params`), so every `generate()` that does not say otherwise takes the
 deferred path, also on CPU with `TRANSFORMERS_ASYNC_STOP_FORCE=1`. The upstream tests' own expectations are left as
-they are: where they compare two generate() calls, both run with the flag. `scripts/upstream_flag_on.sh` runs it.
+they are: where they compare two generate() calls, both run with the flag. No script runs it: run it as above.
 """
 
 from __future__ import annotations

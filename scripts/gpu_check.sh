@@ -19,7 +19,7 @@
 #   old       OLD_TESTS (pytest paths; default tests/test_thread_streams.py) on this tree, and (where .old/ holds an
 #             earlier copy of the package, made with `git archive <commit> transformers_async_stop | tar -x -C .old`)
 #             on that copy: a test of a fix should fail there. OLD_REPEAT: runs of each. `threads` is the same mode
-#   targets   issue 17's ratios side by side (scripts/issue17_targets.py) and generate()'s own host time per
+#   targets   issue 17's ratios side by side (scripts/static_dynamic_ratios.py) and generate()'s own host time per
 #             dynamic-cache step outside the forward (scripts/host_profile.py --outside-forward)
 #   blog      the blog's experiment: a static-cache generate() inside @torch.inference_mode(), Llama-1B-shaped bf16
 #             and #43089's tiny Llama, stock / upstream / flag side by side (scripts/inference_mode_blog.py)
@@ -191,7 +191,7 @@ for tag in ${VERSIONS:-t523}; do
   fi
   pack
   if has targets; then
-    timeout 240 python3 scripts/issue17_targets.py --reps "${TARGET_REPS:-15}" > "$out/targets_$ver.txt" 2>&1
+    timeout 240 python3 scripts/static_dynamic_ratios.py --reps "${TARGET_REPS:-15}" > "$out/targets_$ver.txt" 2>&1
     tail -12 "$out/targets_$ver.txt"
     [ "${TARGETS_PROFILE:-1}" = 0 ] || timeout 240 python3 scripts/host_profile.py --cases tiny-eager-43089 --variants stock,async-deferred,async \
       --outside-forward --top 12 > "$out/outside_forward_$ver.txt" 2>&1

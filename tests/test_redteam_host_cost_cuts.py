@@ -1,6 +1,6 @@
 """Red team of issue 38's three cuts (2026-11-28): each attempt compares `async_stopping_criteria=True` with unpatched
 transformers (`models.stock()`), or asserts the verdict the package must reach. Report:
-docs/red-team/2026-11-28-issue38-cuts.md.
+docs/red-team/2026-11-28-host-cost-cuts.md.
 
 1. `ModelGraphs.same_instances()` in place of the per-call walk of every module's `__dict__`
    (graphs/piecewise/staleness.py, proof.why_not_again);

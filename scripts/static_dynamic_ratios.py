@@ -1,6 +1,6 @@
 """transformers #43089's script, measured side by side in one process: the ratios issue 17's targets are stated in.
 
-    python3 scripts/issue17_targets.py [--reps 15] [--tokens 64]
+    python3 scripts/static_dynamic_ratios.py [--reps 15] [--tokens 64]
 
 One tiny Llama (the issue's), batch 1, greedy. Configurations, each a `generate()` call:
 - static cache: stock; the flag with the issue's processor and criterion as written (nothing declared); the flag
