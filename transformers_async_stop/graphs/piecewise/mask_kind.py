@@ -41,7 +41,7 @@ def of_step(mask, batch: int, cache, config, impl, width: int, remakes_padded: b
         _SLIDING in layout or getattr(config, "sliding_window", None) is not None)
     if sliding:
         why = steps.sliding_step(mask, cache, config, _SLIDING in layout)
-        if why in steps.PADDED:
+        if why == steps.SLIDING_PADDED or (why == steps.PADDED_2D and remakes_padded):
             remade, sliding = True, False  # a padded batch: stock builds each kind's 4D mask in the forward
         elif why is not None:
             return None, None, why

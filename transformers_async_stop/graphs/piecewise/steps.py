@@ -122,8 +122,6 @@ def wide_mask(mask, batch: int, width: int, cache):
 
 
 SLIDING_PADDED = "a padded batch with sliding-window layers (the model builds its masks this step)"
-# `sliding_step`'s answers for a padded batch, whose masks a replay makes with stock's functions instead
-PADDED = (SLIDING_PADDED, PADDED_2D)
 
 
 def sliding_step(mask, cache, config, holds_sliding=True) -> str | None:

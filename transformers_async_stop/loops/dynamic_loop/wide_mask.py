@@ -60,7 +60,14 @@ def applies(model, model_forward, cache, summary) -> "Watch | None":
         return None  # no padding: stock passes no mask to SDPA
     if model_forward != model.__call__:
         return None
+    from transformers.cache_utils import DynamicLayer
+
     if not getattr(model.config, "is_causal", True) or not cache.layers:
+        return None
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        # full-attention layers only: a config carrying `sliding_window` (a Llama so configured) makes the cache's
+        # layers sliding ones, whose keys stop at the window while the grown mask covers every position (red team of
+        # 2026-11-29, padded masks: a shape error where stock returns)
         return None
     prefix = getattr(model, "base_model_prefix", "")
     base = getattr(model, prefix, None)
