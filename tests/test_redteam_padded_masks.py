@@ -247,7 +247,8 @@ class PaddedMasksRedTeam(unittest.TestCase):
             results = []
             for patched in (False, True):
                 model.config.sliding_window = 5
-                criteria = StoppingCriteriaList([_ZeroCriterion(at, lambda: setattr(model.config, "sliding_window", 3))])
+                narrow = _ZeroCriterion(at, lambda: setattr(model.config, "sliding_window", 3))
+                criteria = StoppingCriteriaList([narrow])
                 kwargs = dict(max_new_tokens=14, do_sample=False, eos_token_id=None, stopping_criteria=criteria)
                 if patched:
                     results.append(_generate(model, ids, mask, True, **kwargs))

@@ -1,9 +1,9 @@
 """How a replay of a decode step gets its attention masks, decided from the step's own mask, cache and config: the
 mask kind is part of the recording key (`forward.PiecewiseForward._step`).
 
-- `None` / `True` (SDPA, one token, full-attention layers): the attention gets the mask `steps.attention_mask`
-  works out on the host (True: no mask, SDPA's own causal path; a grown 4D mask from the loop, `dynamic_loop/
-  wide_mask.py`), handed to the replay as it is;
+- `True` / `False` (SDPA, one token, full-attention layers, no padded 2D mask): the attention gets the mask
+  `steps.attention_mask` works out on the host, handed to the replay as it is (True: none, SDPA's own causal path;
+  False: the loop's grown 4D mask, `dynamic_loop/wide_mask.py`);
 - `("sliding", layout)` (SDPA, one token, sliding-window layers or a window in the config, no padding): each recorded
   mask call is answered on the host (`masks.host_mask`), per layer kind, for the cache's layout it was recorded with;
 - `("remade", impl)`: each replay calls the modeling module's mask functions again with the step's own 2D mask, cache
@@ -28,9 +28,9 @@ except ImportError:  # a release without it: no cache holds one
 
 def of_step(mask, batch: int, cache, config, impl, width: int, remakes_padded: bool):
     """(the mask the recording or replay takes, the mask kind for the key, None), or (None, None, why the step runs
-    eagerly). `mask`: the step's `attention_mask` input; `batch`: its ids' batch size. `remakes_padded`: a padded 2D mask over full-attention
-    layers is remade (off where the loop grows a 4D mask from the next step on: that first step stays eager, and no
-    batch size takes two recordings)."""
+    eagerly). `mask`: the step's `attention_mask` input; `batch`: its ids' batch size. `remakes_padded`: a padded 2D
+    mask over full-attention layers is remade (off where the loop grows a 4D mask from the next step on: that first
+    step stays eager, and no batch size takes two recordings)."""
     layout = tuple(map(type, cache.layers))
     if width != 1 and _SLIDING in layout:
         return None, None, "sliding-window layers in a forward of more than one token"
@@ -42,7 +42,7 @@ def of_step(mask, batch: int, cache, config, impl, width: int, remakes_padded: b
     if sliding:
         why = steps.sliding_step(mask, cache, config, _SLIDING in layout)
         if why == steps.SLIDING_PADDED or (why == steps.PADDED_2D and remakes_padded):
-            remade, sliding = True, False  # a padded batch: stock builds each kind's 4D mask in the forward
+            remade = True  # a padded batch: stock builds each kind's 4D mask in the forward
         elif why is not None:
             return None, None, why
         else:
