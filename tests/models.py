@@ -49,8 +49,8 @@ def build(family: str, seed: int = 0, dtype=torch.float32, device="cpu", attn="s
         cls = Qwen2ForCausalLM
     elif family == "mistral":
         config = MistralConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               num_key_value_heads=1, sliding_window=None,
-                               **{"max_position_embeddings": 128, **common})
+                               num_key_value_heads=1,
+                               **{"max_position_embeddings": 128, "sliding_window": None, **common})
         cls = MistralForCausalLM
     elif family == "phi3":
         config = Phi3Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,

@@ -1,8 +1,8 @@
 """Issue 25's dimensions of a usage scenario (usage_scenarios.py), drawn from their own random streams (seeded by the
 scenario's seed and the turn), so that the fields every earlier seed drew stay as they were.
 
-Per scenario: the autograd context around the calls (`grad`: none, `no_grad`, `inference_mode`), a model config
-with a stateful rotary module (`rope`: `dynamic`, `longrope`, `yarn`, `llama3`, small enough that the tiny model
+Per scenario: the autograd context around the calls (`grad`: none, `no_grad`, `inference_mode`), a `sliding_window`
+on a Llama's or Mistral's config (`window`), a model config with a stateful rotary module (`rope`: `dynamic`, `longrope`, `yarn`, `llama3`, small enough that the tiny model
 crosses `max_position_embeddings` / `original_max_position_embeddings` within a call; `longrope` at times on Phi-3,
 where real checkpoints ship it). Per turn: a context of its own (`grad`), inputs made inside `inference_mode`
 (`made_in`), an aliasing probe (`alias_probe`), a change the caller makes before the call (`before`), and one or two
@@ -41,6 +41,10 @@ GRAPHED = {"cpu": ("emulated", "off"), "cuda": ("natural", "off")}
 GRAPHED_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "phi3")  # (piecewise.proof.FAMILIES the fuzzer builds)
 GRAPHED_CACHES = ("none", "user_dynamic", "returned_dynamic")
 GRAPHED_RATE = {"cpu": 0.6, "cuda": 0.75}  # emulated on the CPU / natural on CUDA; else off
+# a `sliding_window` set on the model's config (2026-11-29): Llama's forward ignores it, but its cache's layers become
+# sliding ones (the padded-masks red team: the loop's grown 4D mask met keys cut to the window); Mistral's slides
+WINDOW_FAMILIES = ("llama", "mistral")
+WINDOWS = (3, 4, 6)
 
 
 def _weighted(rng, table):
@@ -131,6 +135,15 @@ def _steps(turn) -> int:
     return max(turn.get("max_new_tokens", turn.get("max_length_extra", 1)), 1)
 
 
+def _window(sc: dict) -> None:
+    """A `sliding_window` on the config of the scenario's model (its own random stream), on a dynamic cache or none."""
+    if sc["family"] not in WINDOW_FAMILIES or sc["cache"] not in GRAPHED_CACHES or sc.get("rope"):
+        return
+    rng = random.Random(f"{sc['seed']}/window")
+    if rng.random() < 0.3:
+        sc["window"] = rng.choice(WINDOWS)
+
+
 def _graphed(sc: dict, device: str) -> None:
     """Issue 27: the flag run's piecewise forward, for a scenario it may take (its own random stream)."""
     kind = "cuda" if device != "cpu" else "cpu"
@@ -179,6 +192,7 @@ def add(sc: dict, device: str) -> None:
                     # (batch, batch), then its next tokens 3-D): most such draws run without EOS, where stock
                     # broadcasts it and returns
                     turn["eos"] = None
+    _window(sc)
     _graphed(sc, device)
     usage_module_draws.add(sc, device)  # issue 31's user modules (their own random stream)
     usage_assisted_draws.add(sc, device)  # issue 32's assisted decoding and prompt lookup (the same)
@@ -190,7 +204,7 @@ def candidates(sc: dict, variant):
         yield variant(lambda s: s.__setitem__("graphed", "off"))
     yield from usage_assisted_draws.candidates(sc, variant)
     yield from usage_module_draws.candidates(sc, variant)
-    for key in ("grad", "rope"):
+    for key in ("grad", "rope", "window"):
         if key in sc:
             yield variant(lambda s, key=key: s.pop(key))
     if sc["family"] == "phi3":
@@ -214,6 +228,8 @@ def reached(sc: dict) -> set:
         out.add("rope:" + sc["rope"]["type"])
     if sc["family"] == "phi3":
         out.add("family:phi3")
+    if "window" in sc:
+        out.add("window:" + sc["family"])
     if "graphed" in sc:
         out.add("graphed:" + sc["graphed"])
     for turn in sc["turns"]:
@@ -249,6 +265,7 @@ def every_value(device: str = "cpu") -> set:
     """Every value `reached` can report for scenarios drawn for `device`."""
     out = {"graphed:" + g for g in GRAPHED["cuda" if device != "cpu" else "cpu"]}
     out |= {"grad:" + g for g in GRADS} | {"rope:" + r for r in ROPE_TYPES} | {"family:phi3"}
+    out |= {"window:" + f for f in WINDOW_FAMILIES}
     out |= {"turn:grad", "turn:made_in", "turn:alias_probe", "mutator:processor", "mutator:criterion"}
     out |= {"before:" + w for w in BEFORE} | {"mutation:" + w for w in MUTATIONS} | {"hidden:" + h for h in HIDDEN}
     out |= {"width:widen", "width:narrow"} | {"after_width:" + n for n in WIDEN_THEN}

@@ -188,8 +188,8 @@ def _fresh(model):
 
 def _model(sc, device, model_seed, shared=False):
     """The scenario's model: a cached one, or a fresh one for a scenario whose callbacks change the model (hooks,
-    parameters, attention), whose rotary module keeps state (rope) or that runs the emulated graphed forward: each
-    run starts from the built model."""
+    parameters, attention), whose rotary module keeps state (rope), whose config carries a window (`window`) or that
+    runs the emulated graphed forward: each run starts from the built model."""
     dtype = sc.get("dtype", "float32")
     mutates = any(t.get("before") or any(c["kind"] == "mutator" for c in t["processors"] + t["criteria"])
                   for t in sc["turns"]) or bool(sc.get("user_module"))  # (issue 31: a user module changes it)
@@ -197,11 +197,14 @@ def _model(sc, device, model_seed, shared=False):
     # an emulated graphed scenario (issue 27) too: transformers keeps the output-capturing hooks a call asking for
     # hidden states installed on a shared model, and every later scenario's graphed forward would step aside there
     # (not for two threads: they share the cached model, and each thread's scenario runs with `shared`)
-    if not sc.get("rope") and not mutates and (sc.get("graphed") != "emulated" or shared):
+    if not sc.get("rope") and not sc.get("window") and not mutates and (sc.get("graphed") != "emulated" or shared):
         return model_of(sc["family"], sc["attn"], model_seed, device, dtype)
     family = rope_family(sc["family"], sc.get("rope"))
+    config_kwargs = rope_config(family, sc.get("rope"))
+    if sc.get("window"):
+        config_kwargs["sliding_window"] = sc["window"]  # (usage_dimensions.WINDOW_FAMILIES)
     model = build(family, seed=model_seed, device=device, attn=sc["attn"], dtype=getattr(torch, dtype),
-                  config_kwargs=rope_config(family, sc.get("rope")))
+                  config_kwargs=config_kwargs)
     model._usage_own = True  # built for this run alone
     model._usage_fresh = set(vars(model)) | {"_usage_fresh"}
     return model
