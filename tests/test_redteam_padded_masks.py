@@ -97,6 +97,15 @@ class PaddedMasksRedTeam(unittest.TestCase):
         self.assertTrue(torch.equal(ref_after, after), "RNG state after generate() differs")
         return ref, out
 
+    def _stock_then_flag(self, model, ids, mask, call):
+        """Stock's run, then the flag's, each with the kwargs `call()` makes (it resets what the call's criteria
+        change mid-call, and makes them afresh); their outputs equal. [(output, RNG state after), ...]."""
+        with stock():
+            results = [_generate(model, ids, mask, None, **call())]
+        results.append(_generate(model, ids, mask, True, **call()))
+        assert_same(self, results[0][0], results[1][0])
+        return results
+
     def _graphed(self):
         forward = tas.last_path().forward or ""
         self.assertTrue(forward.startswith("graphed"), forward)
@@ -219,21 +228,16 @@ class PaddedMasksRedTeam(unittest.TestCase):
     def test_set_attn_implementation_mid_call_there_and_back_equal_stock(self, name):
         model = _model(name)
         ids, mask = prompt(left_pad=True)
+        def call():
+            model.set_attn_implementation("sdpa")
+            criteria = StoppingCriteriaList([
+                _ZeroCriterion(3, lambda: model.set_attn_implementation("eager")),
+                _ZeroCriterion(7, lambda: model.set_attn_implementation("sdpa")),
+            ])
+            return dict(max_new_tokens=12, do_sample=False, eos_token_id=None, stopping_criteria=criteria)
+
         for _ in range(2):  # the second call replays what the first recorded, under both implementations
-            results = []
-            for patched in (False, True):
-                model.set_attn_implementation("sdpa")
-                criteria = StoppingCriteriaList([
-                    _ZeroCriterion(3, lambda: model.set_attn_implementation("eager")),
-                    _ZeroCriterion(7, lambda: model.set_attn_implementation("sdpa")),
-                ])
-                kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, stopping_criteria=criteria)
-                if patched:
-                    results.append(_generate(model, ids, mask, True, **kwargs))
-                else:
-                    with stock():
-                        results.append(_generate(model, ids, mask, None, **kwargs))
-            assert_same(self, results[0][0], results[1][0])
+            results = self._stock_then_flag(model, ids, mask, call)
             self.assertTrue(torch.equal(results[0][1], results[1][1]))
         model.set_attn_implementation("sdpa")
 
@@ -244,18 +248,13 @@ class PaddedMasksRedTeam(unittest.TestCase):
         model.config.sliding_window = 3  # the same ("remade", "sdpa") key: the recording must not serve
         self._check(model, ids, mask, max_new_tokens=14, do_sample=False, eos_token_id=None)
         for at in (2, 6):
-            results = []
-            for patched in (False, True):
+            def call(at=at):
                 model.config.sliding_window = 5
                 narrow = _ZeroCriterion(at, lambda: setattr(model.config, "sliding_window", 3))
-                criteria = StoppingCriteriaList([narrow])
-                kwargs = dict(max_new_tokens=14, do_sample=False, eos_token_id=None, stopping_criteria=criteria)
-                if patched:
-                    results.append(_generate(model, ids, mask, True, **kwargs))
-                else:
-                    with stock():
-                        results.append(_generate(model, ids, mask, None, **kwargs))
-            assert_same(self, results[0][0], results[1][0])
+                return dict(max_new_tokens=14, do_sample=False, eos_token_id=None,
+                            stopping_criteria=StoppingCriteriaList([narrow]))
+
+            self._stock_then_flag(model, ids, mask, call)
 
     def test_a_user_sdpa_mask_function_keeps_the_padded_step_eager_and_equal(self):
         from transformers import masking_utils
