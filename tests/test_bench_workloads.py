@@ -21,8 +21,12 @@ from transformers_async_stop.bench.workloads import passes
 from transformers_async_stop.bench.workloads import report as workload_report
 from transformers_async_stop.testing.emulation import emulated
 
-NAMES = ("varied-lengths-llama-1b", "padded-batches-llama-1b", "conversation-llama-1b")
-KINDS = {"varied-lengths-llama-1b": "stream", "padded-batches-llama-1b": "padded", "conversation-llama-1b": "chat"}
+NAMES = ("varied-lengths-llama-1b", "padded-batches-llama-1b", "conversation-llama-1b", "padded-b1-llama-1b",
+         "padded-b4-llama-1b", "padded-b8-llama-1b")
+KINDS = {"varied-lengths-llama-1b": "stream", "padded-batches-llama-1b": "padded", "conversation-llama-1b": "chat",
+         "padded-b1-llama-1b": "padded-b1", "padded-b4-llama-1b": "padded-b4", "padded-b8-llama-1b": "padded-b8"}
+# the CPU's batch sizes of each workload
+BATCHES = {"padded": "4-8", "padded-b4": 4, "padded-b8": 8}
 TRANSFORMERS_VERSION = tuple(int(x) for x in __import__("transformers").__version__.split(".")[:2])
 LOOP_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
 # upstream's DeferredStopCheck is the bench's "upstream" variant where the release has it (not 4.57, 5.0)
@@ -46,7 +50,7 @@ class WorkloadRuns(unittest.TestCase):
             self.assertEqual(run["workload"]["kind"], KINDS[name])
             self.assertEqual(run["decode"], KINDS[name])
             self.assertEqual(run["label"], f"{name} eager")  # the batches and lengths are the workload's own
-            self.assertEqual(run["batch"], "4-8" if KINDS[name] == "padded" else 1)  # the CPU's sizes
+            self.assertEqual(run["batch"], BATCHES.get(KINDS[name], 1))
             self.assertTrue(run["stock_repeatable"], name)
             self.assertIs(run["exact"], True, name)
             self.assertEqual(set(run["variants"]), {"stock", *COMPARED})
@@ -119,6 +123,29 @@ class Workloads(unittest.TestCase):
             self.assertTrue(bool(mask[:, -1].all()), "left padding: every row ends with a real token")
             self.assertGreater(len(set(mask.sum(1).tolist())), 1, "rows of different lengths")
             self.assertTrue(bool((inputs["input_ids"][mask == 0] == 0).all()))
+
+    def test_each_per_size_padded_workload_keeps_its_batch_size_and_pads_every_call(self):
+        for size in (1, 4, 8):
+            shape = workload_cases.CUDA_SHAPES[f"padded-b{size}"]
+            workload = workload_cases.Workload(f"padded-b{size}", shape, 48, 0, 128256, "cpu")
+            widths, lengths = set(), set()
+            for index in range(shape.calls):
+                inputs = workload.call_inputs(index)
+                mask = inputs["attention_mask"]
+                self.assertEqual(mask.shape[0], size)
+                self.assertTrue(bool(mask[:, -1].all()), "left padding: every row ends with a real token")
+                self.assertFalse(bool(mask.all()), "every call is padded")
+                self.assertTrue(bool((inputs["input_ids"][mask == 0] == 0).all()))
+                widths.add(mask.shape[1])
+                lengths.update(mask.sum(1).tolist())
+                if size == 1:
+                    self.assertEqual(mask.shape[1] % shape.pad_multiple, 0, "padded to a multiple")
+            self.assertGreater(len(lengths), 1, f"b{size}: rows of different lengths")
+            self.assertGreater(len(widths), 1, f"b{size}: the KV lengths change call to call")
+            low, high = workload.kv_lengths()
+            self.assertLessEqual(max(widths) + 48, high, "the pass's KV lengths stay within what it reports")
+            if size == 1:
+                self.assertEqual(high, max(widths) + 48)
 
     def test_outputs_differing_anywhere_are_not_equal(self):
         result = workload_cases.CallResult
@@ -199,6 +226,21 @@ class WorkloadGraphedInFreshThreads(unittest.TestCase):
         self.assertIs(run["exact"], True)
         (path,) = run["variants"]["async"]["paths"]
         self.assertTrue(path.startswith("deferred, dynamic loop, forward graphed ("), path)
+
+
+    def test_the_padded_workloads_replay_every_decode_step_graphed_equal_to_stock(self):
+        # the first decode step of a padded Llama batch takes the grown 4D mask too (`dynamic_loop/inputs.py`): no
+        # step of a warm padded call stays eager (it used to: "1 step eager: a padded 2D mask")
+        names = ("padded-b1-llama-1b", "padded-b8-llama-1b", "padded-batches-llama-1b")
+        with emulated():
+            code, result, _, _ = run_bench(["--cases", ",".join(names), "--variants", "stock,async",
+                                            "--new-tokens", "4", "--reps", "1"], catalog.builtin_cases())
+        self.assertEqual(code, 0)
+        for run in result["runs"]:
+            self.assertIs(run["exact"], True, run["case"])
+            for path in run["variants"]["async"]["paths"]:
+                self.assertTrue(path.startswith("deferred, dynamic loop, forward graphed ("), path)
+                self.assertNotIn("eager", path)
 
 
 class PerStepTimedCalls(unittest.TestCase):

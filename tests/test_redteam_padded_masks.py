@@ -307,13 +307,16 @@ class PaddedMasksRedTeam(unittest.TestCase):
 
     # -- the first padded step of the families with a grown 4D mask -----------------------------------------------
 
-    def test_llama_first_padded_step_eager_then_graphed(self):
+    def test_llama_first_padded_step_takes_the_grown_mask_and_is_graphed(self):
+        # the first decode step is handed stock's 4D mask as the later ones are (`DecodeInputs.build`): it replays
+        # the same recording, where it used to stay eager ("a padded 2D mask")
         model = _model("llama")
         ids, mask = prompt(left_pad=True)
         for _ in range(2):
             self._check(model, ids, mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
             forward = self._graphed()
-            self.assertIn("a padded 2D mask", forward)  # its first decode step, before the grown 4D mask
+            self.assertNotIn("a padded 2D mask", forward)
+            self.assertNotIn("eager", forward)
 
     def test_llama_with_a_config_window_in_a_padded_batch_equals_stock_and_is_graphed(self):
         # found by this red team: a Llama whose config carries `sliding_window` gets a cache of sliding layers

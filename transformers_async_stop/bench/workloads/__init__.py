@@ -7,7 +7,9 @@ conversation-llama-1b`) play such sequences on a Llama-1B-shaped bf16 model (the
 DynamicCache:
 - `varied-lengths-llama-1b`: batch 1, a prompt length that changes every call;
 - `padded-batches-llama-1b`: left-padded batches of 4 to 16 prompts of different lengths;
-- `conversation-llama-1b`: a multi-turn conversation continuing the returned cache.
+- `conversation-llama-1b`: a multi-turn conversation continuing the returned cache;
+- `padded-b1-llama-1b`, `padded-b4-llama-1b`, `padded-b8-llama-1b`: one batch size each (1: the prompt left-padded
+  to a multiple of 64).
 Modules: `cases.py` (the calls), `passes.py` (exactness, cold and warm passes in fresh threads, floor), `report.py`
 (their table).
 """
@@ -26,6 +28,9 @@ _CASES = (
     ("varied-lengths-llama-1b", "stream", "a stream of calls whose prompt length changes every call"),
     ("padded-batches-llama-1b", "padded", "left-padded batches of 4 to 16 prompts of different lengths"),
     ("conversation-llama-1b", "chat", "a multi-turn conversation that continues the returned cache"),
+    ("padded-b1-llama-1b", "padded-b1", "one prompt per call, left-padded to a multiple of 64"),
+    ("padded-b4-llama-1b", "padded-b4", "left-padded batches of 4 prompts of different lengths"),
+    ("padded-b8-llama-1b", "padded-b8", "left-padded batches of 8 prompts of different lengths"),
 )
 
 

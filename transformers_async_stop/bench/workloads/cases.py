@@ -3,6 +3,9 @@
 - `stream`: one prompt per call, batch 1, prompt lengths spread over a range and shuffled, so that every call meets
   KV lengths the calls before it did not all meet;
 - `padded`: left-padded batches of 4 to 16 prompts of different lengths, the batch size changing call to call;
+- `padded-b1`, `padded-b4`, `padded-b8`: one batch size per workload (issue 44's per-size goals), rows of different
+  lengths; at batch 1 the one prompt is left-padded to a multiple of 64, as a tokenizer's `pad_to_multiple_of=64`
+  pads it;
 - `chat`: a conversation whose every turn continues the cache the previous turn returned (user tokens appended to the
   returned sequences, the returned cache passed back), so the KV length only grows.
 A workload is played as a pass (`Workload.play`); the timing, the fresh threads and the exactness check are
@@ -20,7 +23,7 @@ import torch
 
 from ...release_checks import cache_kwarg
 
-KINDS = ("stream", "padded", "chat")
+KINDS = ("stream", "padded", "chat", "padded-b1", "padded-b4", "padded-b8")
 # a call made in each fresh thread before its cold pass, at lengths below every workload's (prompt 2, KV 2-3): the
 # thread's cuBLAS and cuDNN handles are taken there, so that the cold pass pays for lengths, not for handles
 HANDLE_PROMPT = 2
@@ -34,6 +37,7 @@ class Shape:
     lengths: tuple[int, int]  # the prompt lengths' range (inclusive)
     batches: tuple[int, ...] = (1,)  # batch size of call i: batches[i % len(batches)]
     turn_tokens: int = 0  # chat: the user tokens appended at each turn after the first
+    pad_multiple: int = 0  # batch 1: the prompt left-padded to a multiple of this (0: not padded)
 
 
 # on CUDA (a Llama-1B-shaped bf16 model, 48 new tokens per call), sized so that the three workloads' passes for
@@ -43,11 +47,18 @@ CUDA_SHAPES = {
     "stream": Shape(calls=6, lengths=(17, 140)),
     "padded": Shape(calls=4, lengths=(17, 140), batches=(4, 8, 16, 8)),
     "chat": Shape(calls=3, lengths=(32, 32), turn_tokens=24),
+    # one batch size each: 4 calls at lengths 17-140, as the mixed `padded` workload draws them
+    "padded-b1": Shape(calls=4, lengths=(17, 140), pad_multiple=64),
+    "padded-b4": Shape(calls=4, lengths=(17, 140), batches=(4,)),
+    "padded-b8": Shape(calls=4, lengths=(17, 140), batches=(8,)),
 }
 CPU_SHAPES = {
     "stream": Shape(calls=4, lengths=(5, 20)),
     "padded": Shape(calls=2, lengths=(5, 20), batches=(4, 8)),
     "chat": Shape(calls=3, lengths=(8, 8), turn_tokens=4),
+    "padded-b1": Shape(calls=2, lengths=(5, 20), pad_multiple=8),
+    "padded-b4": Shape(calls=2, lengths=(5, 20), batches=(4,)),
+    "padded-b8": Shape(calls=2, lengths=(5, 20), batches=(8,)),
 }
 
 
@@ -75,7 +86,10 @@ class Workload:
         if self.kind == "chat":
             return (f"{s.calls} turns, a {lengths}-token first prompt, {s.turn_tokens} user tokens per later turn, "
                     f"{self.new_tokens} new tokens per turn, the returned cache continued")
-        batches = "batch 1" if s.batches == (1,) else "batches " + ",".join(map(str, s.batches)) + " (left-padded)"
+        if s.batches == (1,):
+            batches = f"batch 1, left-padded to a multiple of {s.pad_multiple}" if s.pad_multiple else "batch 1"
+        else:
+            batches = "batches " + ",".join(map(str, s.batches)) + " (left-padded)"
         return f"{s.calls} calls, prompt lengths {lengths}, {batches}, {self.new_tokens} new tokens each"
 
     def kv_lengths(self) -> tuple[int, int]:
@@ -84,7 +98,7 @@ class Workload:
         if self.kind == "chat":
             top = s.lengths[0] + s.calls * self.new_tokens + (s.calls - 1) * s.turn_tokens
         else:
-            top = s.lengths[1] + self.new_tokens
+            top = self._width(s.lengths[1]) + self.new_tokens
         return s.lengths[0], top
 
     # --- inputs, the same for every variant (seeded) ------------------------------------------------------------
@@ -103,18 +117,28 @@ class Workload:
         """`input_ids` and `attention_mask` of call `index` (stream and padded)."""
         batch = self.shape.batches[index % len(self.shape.batches)]
         if batch == 1:
-            ids = self._ids(1, self.prompt_lengths()[index], 100 + index)
-            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        lo, hi = self.shape.lengths
-        gen = random.Random(200 + index)
-        lengths = [gen.randint(lo, hi) for _ in range(batch)]
-        width = max(lengths)
-        ids = self._ids(batch, width, 300 + index)
+            length = self.prompt_lengths()[index]
+            ids = self._ids(1, length, 100 + index)
+            if not self.shape.pad_multiple:
+                return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            lengths, width = [length], self._width(length)
+            ids = torch.cat([ids.new_full((1, width - length), self.pad), ids], dim=-1)
+        else:
+            lo, hi = self.shape.lengths
+            gen = random.Random(200 + index)
+            lengths = [gen.randint(lo, hi) for _ in range(batch)]
+            width = max(lengths)
+            ids = self._ids(batch, width, 300 + index)
         mask = torch.ones_like(ids)
         for row, length in enumerate(lengths):
             ids[row, :width - length] = self.pad
             mask[row, :width - length] = 0
         return {"input_ids": ids, "attention_mask": mask}
+
+    def _width(self, length: int) -> int:
+        """A batch-1 prompt's width with its padding (`pad_multiple`), else its length."""
+        multiple = self.shape.pad_multiple
+        return -(-length // multiple) * multiple if multiple else length
 
     def _kwargs(self, inputs: dict, **extra) -> dict:
         kwargs = {name: value.to(self.device) for name, value in inputs.items()}

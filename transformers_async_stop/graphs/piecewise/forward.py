@@ -79,8 +79,9 @@ class PiecewiseForward:
         self.last_eager = None
         self.impl = None  # the attention implementation of the step (`_step`)
         # a one-token step handed a padded 2D mask is recorded with its masks made at each replay by stock's
-        # functions (as another implementation's are); off where the loop hands a grown 4D mask from the next step on
-        # (`dynamic_loop/wide_mask.py`): that first step alone stays eager, and no batch size takes two recordings
+        # functions (as another implementation's are); off where the loop hands a grown 4D mask from the first decode
+        # step on (`dynamic_loop/wide_mask.py`): a step handed the 2D mask again there (a callback changed what the
+        # grown mask relies on) stays eager, and no batch size takes two recordings
         self.remakes_padded = True
 
     def _watch(self) -> None:

@@ -29,8 +29,8 @@ except ImportError:  # a release without it: no cache holds one
 def of_step(mask, batch: int, cache, config, impl, width: int, remakes_padded: bool):
     """(the mask the recording or replay takes, the mask kind for the key, None), or (None, None, why the step runs
     eagerly). `mask`: the step's `attention_mask` input; `batch`: its ids' batch size. `remakes_padded`: a padded 2D
-    mask over full-attention layers is remade (off where the loop grows a 4D mask from the next step on: that first
-    step stays eager, and no batch size takes two recordings)."""
+    mask over full-attention layers is remade (off where the loop grows a 4D mask from the first decode step on: a
+    step handed the 2D mask again there stays eager, and no batch size takes two recordings)."""
     layout = tuple(map(type, cache.layers))
     if width != 1 and _SLIDING in layout:
         return None, None, "sliding-window layers in a forward of more than one token"

@@ -86,6 +86,11 @@ class DecodeInputs:
         made.watch = None if model_forward is None else wide_mask.applies(model, model_forward, cache, made.summary)
         if made.watch is not None:
             made.wide_ones = torch.ones((mask.shape[0], 1, 1, 1), dtype=torch.bool, device=mask.device)
+            if cache.get_seq_length() + 1 == mask.shape[-1]:
+                # the first decode step takes stock's 4D mask too, so that it replays the recording the later steps
+                # replay (a padded 2D mask would keep it eager: "a padded 2D mask"); `self.mask` stays the 2D mask
+                # stock passes, for a later step that hands the 2D mask again
+                made.wide = inputs["attention_mask"] = wide_mask.first(mask)
         return inputs, made
 
     def next(self, column: torch.Tensor) -> dict:
@@ -110,7 +115,7 @@ class DecodeInputs:
         wide, grown = self.wide, None
         if not self.watch.holds():
             wide = None  # a callback changed what the grown mask relies on (`wide_mask.Watch`)
-        elif wide is None:  # the first step: stock's 2D mask with its new column, as stock's 4D mask
+        elif wide is None:  # the first grown step: stock's 2D mask with its new column, as stock's 4D mask
             grown = torch.cat([self.mask, self.ones], dim=-1)
             wide = wide_mask.first(grown)
         else:

@@ -83,7 +83,7 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
                         model_inputs, step_inputs = DecodeInputs.build(model, input_ids, model_kwargs,
                                                                        model_forward)
                         if graphed is not None and step_inputs is not None and step_inputs.watch is not None:
-                            graphed.remakes_padded = False  # a grown 4D mask from the next step on (`wide_mask`)
+                            graphed.remakes_padded = False  # a grown 4D mask from this step on (`wide_mask`)
                     else:
                         model_inputs = model.prepare_inputs_for_generation(input_ids, next_sequence_length=1,
                                                                            **model_kwargs)
