@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from models import PAD, VOCAB
+from models import PAD, TRANSFORMERS_VERSION, VOCAB
 
 # every family of the table, by `model_type`
 FAMILIES = (
@@ -16,10 +16,11 @@ FAMILIES = (
 )
 # what keeps a family's decode forward eager, by design (docs/paths.md), each reason it may give: Falcon calls SDPA
 # itself inside its attention's forward, not through transformers' attention functions (no call to cut the forward
-# at: `graphs/piecewise/proof/attention.py`); OPT's base forward reads the cache's length on the host every step
+# at: `graphs/piecewise/proof/attention.py`); OPT's base forward reads the cache's length on the host every step, which
+# the automatic proof refuses: read by hand on 5.18-5.24 (tests/test_piecewise_opt.py), eager on 5.17
 EAGER = {
     "falcon": ("the attention is computed inside FalconAttention.forward, not by an attention function",),
-    "opt": ("reads 'get_seq_length' on the host",),
+    **({"opt": ("reads 'get_seq_length' on the host",)} if TRANSFORMERS_VERSION < (5, 18) else {}),
 }
 _SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=VOCAB, max_position_embeddings=128, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)

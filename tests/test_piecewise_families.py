@@ -1,5 +1,5 @@
 """The piecewise-graphed decode forward (`piecewise/`) for the families beyond Llama, Mistral, Qwen2 and Qwen3:
-Phi-3, GPT-2 and Gemma 3 with full-attention layers (and where Gemma 2 and sliding-window Gemma 3 stand).
+Phi-3, GPT-2, OPT (5.18+) and Gemma 3 with full-attention layers (and where Gemma 2 and sliding-window Gemma 3 stand).
 
 Each case runs on CUDA (skipped without it) and on the CPU with the graphs emulated (`testing/emulation.py`: the
 recorded ATen ops replayed without the model's Python, so what a recording bakes in shows as on CUDA): bit-exact
@@ -33,12 +33,19 @@ ON = {proof.PIECEWISE_ENV: "1"}
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)  # the dynamic-cache loop's releases
 CUDA = torch.cuda.is_available() and RELEASES
 GRAPHED = ("phi3", "gpt2", "gemma3")  # the families whose decode forward is replayed (Gemma 3: full attention only)
+# OPT, read on 5.18-5.24 (on 5.17 it stays eager: tests/test_piecewise_opt.py)
+GRAPHED += ("opt",) if TRANSFORMERS_VERSION >= (5, 18) else ()
 # the loop grows no 4D mask for them (`dynamic_loop/wide_mask.py` reads Llama, Mistral and Qwen2): with padding the
 # model builds its 4D mask from the 2D one inside every forward, and so does each replay (`masks.mask_call`)
 
 
 def _build(family, device="cpu", dtype=torch.float32, **overrides):
-    """`models.build`, and Gemma 3 (text) with full-attention layers unless `layer_types` says otherwise."""
+    """`models.build`, OPT (`test_piecewise_opt.build_opt`), and Gemma 3 (text) with full-attention layers unless
+    `layer_types` says otherwise."""
+    if family == "opt":
+        from test_piecewise_opt import build_opt
+
+        return build_opt(device, dtype, **overrides)
     if family != "gemma3":
         return build(family, device=device, dtype=dtype, **overrides)
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig

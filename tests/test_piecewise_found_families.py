@@ -4,7 +4,7 @@
 Every family of the table (tests/family_models.py) on CUDA (skipped without it) and on the CPU with the graphs
 emulated: bit-exact against unpatched transformers (sequences, scores, logits, the returned cache, the RNG state after
 the call), greedy and sampling, batch 1 and a left-padded batch; `last_path().forward` says graphed (padded too), or, for the
-families kept eager by design (Falcon, OPT), why. Then the proof's own parts: the rules on unread code, the normal
+families kept eager by design (Falcon; OPT on 5.17), why. Then the proof's own parts: the rules on unread code, the normal
 form of modular copies, the op comparison of two recordings, foreign code that ran, a trace function already set.
 """
 

@@ -1,4 +1,4 @@
-"""The sources behind the piecewise-graphed decode forward (`piecewise/`), per model family, 5.17.0-5.24.0.
+"""The sources behind the piecewise-graphed decode forward (`piecewise/`), per model family, 5.17.0-5.24.0 (OPT 5.18+).
 
 A replay runs none of the forward's Python: every decision these sources make is baked in at the recording. Each was
 read for decisions that depend on the length or the step: none, for a decode step of a full-attention model with a
@@ -168,20 +168,66 @@ _SLIDING_UNDO = {
 }
 
 
+# OPT, 5.18.0-5.24.0 (read on each of 5.17.0, 5.18.0, 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0, 5.24.0). What each
+# decision in Python depends on, for a decode step handed `input_ids`, `position_ids`, a `DynamicCache`, no labels:
+# - `OPTForCausalLM.forward` calls `self.model.decoder` itself (`OPTModel.forward`, read for the default-deny, passes
+#   through); `labels` is None (the loss branch: the recording takes no labels); the logits slice by `logits_to_keep`,
+#   an int in the key (5.17-5.20 inline, 5.21+ `slice_logits_to_keep`); `.contiguous()`;
+# - `OPTDecoder.forward`: ids given (`view(-1, shape[-1])`, fixed shapes), a cache given. `past_seen_tokens =
+#   cache.get_seq_length()` is a host read of the length, baked into a recording: it feeds only (a) `seq_length` and
+#   `torch.ones(batch, past_seen_tokens + n)` when `attention_mask` is None, a branch no recording takes (its mask is
+#   the 4D sentinel, `graphs.py`) and whose ones, in stock, reach only (b) and (c); (b) the `position_ids is None`
+#   branch, which no recording or replay takes (each is handed the step's `position_ids`; a step without them stays
+#   eager, `forward._step`); (c) `embed_positions(mask, past_seen_tokens, position_ids=...)`, which reads neither
+#   once `position_ids` is given. So no output depends on the baked value. `create_causal_mask` gets the step's own
+#   `attention_mask` in stock (the sentinel in a recording, returned as it is; each replay's mask is the package's,
+#   from the step's mask, as for every family). `project_in` / `project_out` (a word embedding narrower than the
+#   hidden size, OPT-350m) and `final_layer_norm` (`do_layer_norm_before and not _remove_final_layer_norm`) are
+#   `is not None` branches on modules fixed at init (a module set or replaced is a stale recording); the layerdrop
+#   branch runs only in training mode (which keeps the forward eager); `pos_embeds.to(device)`: the same device;
+# - `OPTLearnedPositionalEmbedding.forward` with `position_ids`: `embedding(position_ids + self.offset)`, the offset
+#   (2) a plain attribute (compared before each replay); in piece 0, from the positions buffer, as GPT-2's `wpe`. A
+#   position past `max_position_embeddings` indexes past the table as in stock: the controller reads each verdict
+#   before a forward past it (`undo/position_table.py`);
+# - `OPTDecoderLayer.forward`: `do_layer_norm_before` (the config's, an attribute set at init: norms before or after
+#   the attention and the MLP), dropouts with `training=self.training` (identities in eval), a reshape to 2D and a view
+#   back (fixed shapes), `activation_fn` = `ACT2FN[config.activation_function]` (relu: torch's `nn.ReLU`; another
+#   activation's class is not read with OPT: proven per recording);
+# - `OPTAttention.forward`: q scaled by `self.scaling` before the attention, which gets `scaling=1.0`; `enable_bias`
+#   decides at init whether the projections have biases; the cache update and the attention run eagerly at each
+#   replay; `dropout` is 0.0 outside training.
+# 5.17 is not listed: when its base forward gets no `attention_mask` it hands `create_causal_mask` the ones of the
+# cache's length instead of None (5.18 keeps them for the positions only), so there the family is proven per
+# recording, and refused for the host read (docs/paths.md). 5.21 adds `slice_logits_to_keep`; 5.23 changes
+# annotations and the layerdrop condition (`and self.layerdrop > 0.0`); 5.24 renames the cache `cache` (and
+# `embed_positions`' `past_key_values_length` `cache_length`) and passes `kwargs=kwargs` to `cache.update`
+_OPT = ("opt", "transformers.models.opt.modeling_opt", {
+    "OPTAttention.forward": {"99c152c322d7": "5.18.0-5.23.0", "eb66e6dcaa33": "5.24.0"},
+    "OPTDecoderLayer.forward": {"2aff579b3bcf": "5.18.0-5.23.0", "f6439a0f2ea9": "5.24.0"},
+    "OPTDecoder.forward": {"fd7be26aab06": "5.18.0-5.22.2", "e6abde7e2434": "5.23.0", "0584671001cf": "5.24.0"},
+    "OPTModel.forward": {"8f97826f5669": "5.18.0-5.22.2", "f8f21a323f96": "5.23.0", "34f787cb568f": "5.24.0"},
+    "OPTForCausalLM.forward": {"713ba842334c": "5.18.0-5.20.2", "bc2416be4907": "5.21.1-5.22.2",
+                               "37e4a66c978e": "5.23.0", "8cf4aec2c53c": "5.24.0"},
+    "OPTLearnedPositionalEmbedding.forward": {"d07b4542d401": "5.18.0-5.23.0", "d9ff0512c592": "5.24.0"},
+})
+
+
 def _source(module: str, name: str) -> str:
     return name if ":" in name else f"{module}:{name}"  # a source outside the modeling module is named in full
 
-PIECEWISE_SHORTCUTS = tuple(
-    Shortcut(
+
+def _family_row(family, module, sources, present="5.17-5.24") -> Shortcut:
+    return Shortcut(
         f"piecewise forward ({family})",
         tuple(dict.fromkeys((*_COMMON, *(_source(module, name) for name in sources)))),  # each source once
         {**_COMMON, **{_source(module, name): digests for name, digests in sources.items()}},
-        "piecewise", present="5.17-5.24",
+        "piecewise", present=present,
         why="the eager decode forward of a dynamic cache is hundreds of launches behind Python: its shape-fixed "
             "pieces are replayed from CUDA graphs of the same kernels, the cache append and attention run eagerly",
     )
-    for family, module, sources in _FAMILIES
-)
+
+
+PIECEWISE_SHORTCUTS = (*(_family_row(*row) for row in _FAMILIES), _family_row(*_OPT, present="5.18-5.24"))
 
 PIECEWISE_SHORTCUTS += (
     Shortcut(

@@ -4,7 +4,7 @@ A replay runs no Python of the model's forward: every decision the forward makes
 the recording. The proof starts from where the model keeps the modules it cuts the forward at (its decoder layers'
 attention modules) and what else of its forward is decided in Python (`Family`):
 
-- a family read by hand (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2, Gemma 3 text; the sources behind
+- a family read by hand (`FAMILIES`: Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2, OPT, Gemma 3 text; the sources behind
   `targets.SHORTCUTS` "piecewise forward (<family>)"), exactly their causal LM and base classes, whose every module
   class was read with the family; a hand-read family running a class no one read with it (Llama with
   `hidden_act="gelu"`), or whose sources drifted on a newer release, is proven per recording instead (`auto`);
@@ -70,6 +70,15 @@ FAMILIES = {
     # Gemma 3 (text): full-attention layers only (`layer_types`; the released configs' sliding layers keep it off the
     # dynamic-cache loop), one rope per layer type (each static), q/k norms, a scaled embedding, the final logit
     # soft-capping in the last piece (a config branch); the sliding mask it also makes is unused by full layers
+    # OPT (5.18+; on 5.17 its base forward hands `create_causal_mask` a mask of ones of the cache's length when it
+    # gets none, so it is proven per recording there, and refused: `targets/piecewise_rows.py`): a learned position
+    # table with an offset of 2 (`embed_positions`, read in piece 0 from the positions buffer, as GPT-2's `wpe`), the
+    # decoder nested in the base model (`decoder.layers`), pre- or post-attention layer norms (`do_layer_norm_before`,
+    # a config branch), `project_in`/`project_out` where the word embedding is narrower (OPT-350m). Its base forward
+    # reads the cache's length on the host, which reaches no output once `position_ids` is given: every recording and
+    # replay is handed them (`forward.py` keeps a step without them eager, named)
+    "OPTModel": Family("opt", "transformers.models.opt.modeling_opt", "OPTForCausalLM", layers="decoder.layers",
+                       rotary=None, watched=("create_causal_mask", "ALL_ATTENTION_FUNCTIONS")),
     "Gemma3TextModel": Family("gemma3", "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM",
                               watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask"),
                               windows_by_layer_type=True),
