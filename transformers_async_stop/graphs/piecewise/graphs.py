@@ -52,7 +52,7 @@ import torch
 from ...release_checks import cache_kwarg
 from ...state import concurrency
 from ..backend import backend_for
-from . import masks
+from . import additive_mask, masks
 from .masks import POSITIONS, SCALARS
 from .proof import attention as sites
 from .recording import Recording  # noqa: F401 (a recording's graphs and buffers, and its replay)
@@ -236,11 +236,16 @@ class _Recorder:
         with self.backend.stream(self.main):
             output, weights = self._eager(original, module, query, keys, values, real_mask, **kwargs)
             with self.quiet():
+                # whether this layer's replays may hand the attention its bool mask's additive form (the recorder's
+                # own work, unseen by the run's watch: `additive_mask.py`)
+                additive = additive_mask.check(original, self._eager, module, query, keys, values, real_mask, kwargs,
+                                               output)
                 buffer = torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
                 buffer.copy_(output)
                 if weights is not None:
                     weights = torch.Tensor._make_subclass(_UnreadWeights, torch.empty(0, device="meta"))
         self.rec.layers.append((layer_idx, query, k, v, recorded, buffer))
+        self.rec.additive.append(additive)
         self.stream.wait_stream(self.main)
         self.begin()
         return buffer, weights

@@ -3,14 +3,15 @@
 **Replay**: copy the step's ids and positions into the buffers; replay piece 0; make the step's masks where the
 recording made them again (`masks.py`: a K-token forward, or any implementation other than SDPA) or answer them on the
 host (one token, sliding-window layers, SDPA); per layer, the real `cache.update` of the piece's k/v and the real
-attention (the function the forward looks up now, `attention.function`) with the recorded arguments, its output copied
+attention (the function the forward looks up now, `attention.function`) with the recorded arguments (a bool mask in
+its additive form, converted once per step where the recording proved it: `additive_mask.py`), its output copied
 into the buffer; replay the next piece (`graphs.py` describes the pieces).
 """
 
 from __future__ import annotations
 
 from ...release_checks import cache_kwarg
-from . import masks
+from . import additive_mask, masks
 from .masks import POSITIONS
 
 
@@ -21,6 +22,8 @@ class Recording:
         self.ids, self.positions, self.sentinel = ids, positions, sentinel
         self.graphs: list = []
         self.layers: list = []  # per layer: (layer_idx, q, k, v, attention kwargs (positions marked), output buffer)
+        # per layer: its replays may hand the attention its bool mask's additive form (`additive_mask.check`)
+        self.additive: list = []
         self.logits = None
         self.output_type = None
         self.pool = None
@@ -48,12 +51,16 @@ class Recording:
         made = ((self._host_masks(cache, mask) if self.host_masks else self._masks(cache, mask)) if self.mask_calls
                 else None)
         update = type(cache).update
+        # each bool mask converted once this step, for the layers proven at the recording (`additive_mask.py`)
+        converted = additive_mask.StepMasks() if any(self.additive) and additive_mask.allowed(attention_fn) else None
         for i, (layer_idx, q, k, v, kwargs, out) in enumerate(self.layers):
             keys, values = update(cache, k, v, layer_idx)
             if POSITIONS in kwargs.values():
                 kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
-            result = attention_fn(modules[i], q, keys, values, mask if made is None else made[self.mask_of_layer[i]],
-                                  **kwargs)[0]
+            layer_mask = mask if made is None else made[self.mask_of_layer[i]]
+            if converted is not None and self.additive[i]:
+                layer_mask = converted.get(layer_mask, q.dtype)
+            result = attention_fn(modules[i], q, keys, values, layer_mask, **kwargs)[0]
             out.copy_(result)
             graphs[i + 1].replay()
         return self.output(cache, fresh_logits)
