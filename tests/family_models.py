@@ -44,11 +44,13 @@ def sdpa_supported(model_type: str) -> bool:
     return True
 
 
-def build_family(model_type: str, device="cpu", dtype=torch.float32, seed: int = 0, **overrides):
-    """The family's causal LM at its config's defaults but for the sizes; `overrides` go to the config."""
+def build_family(model_type: str, device="cpu", dtype=torch.float32, seed: int = 0, attn: str = "sdpa",
+                 **overrides):
+    """The family's causal LM at its config's defaults but for the sizes; `overrides` go to the config; `attn`: the
+    attention implementation (the usage fuzzer's `found_family` builds eager ones too)."""
     kwargs = {**_SMALL, **_EXTRA.get(model_type, {}), **overrides}
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     config.initializer_range = 0.5  # a wide init: greedy decoding of a tiny model does not repeat one token
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     return model.to(device=device, dtype=dtype).eval()

@@ -137,8 +137,10 @@ class DrawsCoverUsage(unittest.TestCase):
     def test_every_issue25_dimension_value_is_drawn_several_times(self):
         # each value of the autograd contexts, rope types, verdict shapes and dtypes, widths, mutations, in-place id
         # edits and hidden states: at least 3 times in 400 draws (a value never drawn fails here)
+        # (a found family, one of 23: FoundFamiliesAreDrawn counts them in 2000 draws)
         counts = collections.Counter(v for seed in range(400) for v in usage_dimensions.reached(draw(seed, DEVICE)))
-        rare = {v: counts[v] for v in usage_dimensions.every_value(DEVICE) if counts[v] < 3}
+        rare = {v: counts[v] for v in usage_dimensions.every_value(DEVICE)
+                if counts[v] < 3 and not v.startswith("found_family:")}
         self.assertEqual(rare, {}, "issue-25 dimension values drawn fewer than 3 times in 400 draws")
 
     def test_the_ci_slice_reaches_every_issue25_dimension_value(self):
@@ -320,6 +322,80 @@ class AssistedIsDrawn(unittest.TestCase):
             if took == 2 or tried == 10:
                 break
         self.assertEqual(took, 2, f"{took} of {tried} assisted scenarios replayed the verify forward")
+
+
+class FoundFamiliesAreDrawn(unittest.TestCase):
+    """The `found_family` dimension (usage_dimensions._found_family): a family the piecewise proof graphs from the
+    model, its tiny model (tests/family_models.py) built by the runner, drawn from its own random stream where the
+    scenario's other draws make sense for it; every earlier seed draws as before."""
+
+    CASES = UserModulesAreDrawn.CASES
+
+    def test_a_seed_draws_as_before_but_for_the_family(self):
+        # with the dimension not drawn, each seed's scenario is the one it drew before it existed: the dimension adds
+        # its one key and changes no other field
+        with mock.patch.object(usage_dimensions, "_found_family", lambda sc: None):
+            before = [draw(seed, DEVICE) for seed in range(300)]
+        for seed, old in enumerate(before):
+            new = dict(self.CASES[seed])
+            new.pop("found_family", None)
+            self.assertEqual(new, old, seed)
+
+    def test_found_families_are_drawn_only_where_the_other_draws_fit(self):
+        drawn = [sc for sc in self.CASES if "found_family" in sc]
+        if not usage_dimensions.FOUND_RELEASES:
+            self.assertEqual(drawn, [], "found families drawn before 5.17")
+            return
+        self.assertGreater(len(drawn), 200)
+        for sc in drawn:
+            self.assertIn(sc["found_family"], usage_dimensions.found_available())
+            self.assertIn(sc["cache"], usage_dimensions.GRAPHED_CACHES, sc["seed"])
+            self.assertFalse({"rope", "window", "threads"} & set(sc), sc["seed"])
+            target = sc.get("user_module", {}).get("target")
+            self.assertNotIn((sc["found_family"], target), usage_dimensions.FOUND_UNPLACED, sc["seed"])
+
+    @unittest.skipUnless(usage_dimensions.FOUND_RELEASES, "drawn on transformers 5.17+")
+    def test_every_found_family_is_drawn_several_times(self):
+        counts = collections.Counter(sc.get("found_family") for sc in self.CASES)
+        rare = {f: counts[f] for f in usage_dimensions.found_available() if counts[f] < 5}
+        self.assertEqual(rare, {}, "found families drawn fewer than 5 times in 2000 draws")
+        self.assertEqual(set(usage_dimensions.found_available()), set(usage_dimensions.FOUND_FAMILIES),
+                         "a found family missing on a release the dimension draws on")
+
+    @unittest.skipUnless(usage_dimensions.FOUND_RELEASES, "drawn on transformers 5.17+")
+    def test_the_runner_builds_the_drawn_family_with_its_attention(self):
+        import family_models
+
+        for attn in ("sdpa", "eager"):
+            sc = next(c for c in self.CASES if c.get("found_family") and c["attn"] == attn)
+            model = usage_runner._model(sc, "cpu", 0)
+            self.assertEqual(model.config.model_type, sc["found_family"])
+            supported = attn == "eager" or family_models.sdpa_supported(sc["found_family"])
+            self.assertEqual(model.config._attn_implementation, attn if supported else "eager")
+            self.assertTrue(model._usage_own)  # (built for the run: a mutation cannot carry into the next one)
+            again = usage_runner._model(sc, "cpu", 0)
+            self.assertIsNot(again, model)
+            for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+                self.assertTrue(bool((a == b).all()), name)  # (the scenario's seed: both runs get the same weights)
+
+    @unittest.skipUnless(usage_dimensions.FOUND_RELEASES, "drawn on transformers 5.17+")
+    def test_each_found_family_has_a_place_for_the_user_modules_drawn_with_it(self):
+        # usage_modules.place and usage_peft's names reach every found family's modules (their names tried after the
+        # hand-read families' ones), except the pairs FOUND_UNPLACED keeps out of the draw, which indeed have none
+        import family_models
+        import usage_modules
+        import usage_peft
+
+        targets = set(usage_module_draws.TARGETS) | {"act", "proj"}
+        for family in usage_dimensions.found_available():
+            model = family_models.build_family(family, attn="eager")
+            for target in sorted(targets):
+                with self.subTest(family=family, target=target):
+                    if (family, target) in usage_dimensions.FOUND_UNPLACED:
+                        self.assertRaises(LookupError, usage_modules.place, model, target, 0)
+                    else:
+                        usage_modules.place(model, target, 1)
+            self.assertTrue(usage_peft._names(model, usage_peft._ATTN), family)
 
 
 class ThreadScenariosAreFair(unittest.TestCase):

@@ -4,7 +4,8 @@ scenario's seed and the turn), so that the fields every earlier seed drew stay a
 Per scenario: the autograd context around the calls (`grad`: none, `no_grad`, `inference_mode`), a `sliding_window`
 on a Llama's or Mistral's config (`window`), a model config with a stateful rotary module (`rope`: `dynamic`, `longrope`, `yarn`, `llama3`, small enough that the tiny model
 crosses `max_position_embeddings` / `original_max_position_embeddings` within a call; `longrope` at times on Phi-3,
-where real checkpoints ship it). Per turn: a context of its own (`grad`), inputs made inside `inference_mode`
+where real checkpoints ship it), on 5.17+ a "found" family's tiny model (`found_family`: Gemma, GPT-NeoX, Mixtral...,
+tests/family_models.py) instead of the drawn hand-read one, on the dynamic-cache loop. Per turn: a context of its own (`grad`), inputs made inside `inference_mode`
 (`made_in`), an aliasing probe (`alias_probe`), a change the caller makes before the call (`before`), and one or two
 callbacks of usage_mutators.py inserted among the turn's processors and criteria: mid-call mutations of the model,
 the cache, the generation config or the processor/criteria lists, in-place edits of `input_ids`, processors with
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import random
 
+from models import TRANSFORMERS_VERSION
 import usage_assisted_draws
 import usage_module_draws
 
@@ -45,6 +47,18 @@ GRAPHED_RATE = {"cpu": 0.6, "cuda": 0.75}  # emulated on the CPU / natural on CU
 # sliding ones (the padded-masks red team: the loop's grown 4D mask met keys cut to the window); Mistral's slides
 WINDOW_FAMILIES = ("llama", "mistral")
 WINDOWS = (3, 4, 6)
+# a "found" family's tiny model (tests/family_models.py) in place of the drawn one (2026-11-29): the families the
+# piecewise proof graphs from the model (docs/paths.md's table), on the dynamic-cache loop of 5.17+, where they take
+# that path. A fixed tuple: a family the installed release lacks is not drawn (the draw is made, and dropped), so
+# every other seed draws the same family on every release
+FOUND_FAMILIES = ("gemma", "phi", "gpt_neox", "olmo", "olmo2", "granite", "starcoder2", "cohere", "stablelm",
+                  "smollm3", "gpt_bigcode", "glm", "ernie4_5", "helium", "arcee", "seed_oss", "hunyuan_v1_dense",
+                  "ministral", "exaone4", "mixtral", "qwen2_moe", "gptj", "gemma2")
+FOUND_RELEASES = TRANSFORMERS_VERSION >= (5, 17)
+FOUND_RATE = 0.5
+# (family, user-module target) with no such module in the family's decoder layer (usage_modules.place): the experts'
+# block holds no activation module of its own (the experts' is called as a function over the grouped experts)
+FOUND_UNPLACED = {("mixtral", "act"), ("qwen2_moe", "act")}
 
 
 def _weighted(rng, table):
@@ -144,6 +158,32 @@ def _window(sc: dict) -> None:
         sc["window"] = rng.choice(WINDOWS)
 
 
+def found_available() -> tuple:
+    """The found families drawn on the installed release (none before 5.17; those it has a config class for)."""
+    if not FOUND_RELEASES:
+        return ()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return tuple(f for f in FOUND_FAMILIES if f in CONFIG_MAPPING_NAMES)
+
+
+def _found_family(sc: dict) -> None:
+    """A found family's tiny model for the scenario (`found_family`, its own random stream), where the other draws
+    make sense for it: a dynamic cache or none (the loop those families take), no rope or window on the config (both
+    set on a Llama-style config the runner builds by hand), and a user module it has a place for. Drawn after every
+    other dimension, and changes no field of theirs: the runner builds that family's model (usage_runner._model)."""
+    if not FOUND_RELEASES or sc["cache"] not in GRAPHED_CACHES or sc.get("rope") or sc.get("window"):
+        return
+    rng = random.Random(f"{sc['seed']}/family")
+    if rng.random() >= FOUND_RATE:
+        return
+    family = rng.choice(FOUND_FAMILIES)
+    module = sc.get("user_module", {})
+    if family not in found_available() or (family, module.get("target")) in FOUND_UNPLACED:
+        return
+    sc["found_family"] = family
+
+
 def _graphed(sc: dict, device: str) -> None:
     """Issue 27: the flag run's piecewise forward, for a scenario it may take (its own random stream)."""
     kind = "cuda" if device != "cpu" else "cpu"
@@ -196,6 +236,7 @@ def add(sc: dict, device: str) -> None:
     _graphed(sc, device)
     usage_module_draws.add(sc, device)  # issue 31's user modules (their own random stream)
     usage_assisted_draws.add(sc, device)  # issue 32's assisted decoding and prompt lookup (the same)
+    _found_family(sc)  # (last: it reads the other draws)
 
 
 def candidates(sc: dict, variant):
@@ -204,7 +245,7 @@ def candidates(sc: dict, variant):
         yield variant(lambda s: s.__setitem__("graphed", "off"))
     yield from usage_assisted_draws.candidates(sc, variant)
     yield from usage_module_draws.candidates(sc, variant)
-    for key in ("grad", "rope", "window"):
+    for key in ("grad", "rope", "window", "found_family"):
         if key in sc:
             yield variant(lambda s, key=key: s.pop(key))
     if sc["family"] == "phi3":
@@ -230,6 +271,8 @@ def reached(sc: dict) -> set:
         out.add("family:phi3")
     if "window" in sc:
         out.add("window:" + sc["family"])
+    if "found_family" in sc:
+        out.add("found_family:" + sc["found_family"])
     if "graphed" in sc:
         out.add("graphed:" + sc["graphed"])
     for turn in sc["turns"]:
@@ -266,6 +309,7 @@ def every_value(device: str = "cpu") -> set:
     out = {"graphed:" + g for g in GRAPHED["cuda" if device != "cpu" else "cpu"]}
     out |= {"grad:" + g for g in GRADS} | {"rope:" + r for r in ROPE_TYPES} | {"family:phi3"}
     out |= {"window:" + f for f in WINDOW_FAMILIES}
+    out |= {"found_family:" + f for f in found_available()}
     out |= {"turn:grad", "turn:made_in", "turn:alias_probe", "mutator:processor", "mutator:criterion"}
     out |= {"before:" + w for w in BEFORE} | {"mutation:" + w for w in MUTATIONS} | {"hidden:" + h for h in HIDDEN}
     out |= {"width:widen", "width:narrow"} | {"after_width:" + n for n in WIDEN_THEN}

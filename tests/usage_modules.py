@@ -90,9 +90,12 @@ def _layers(model):
     raise LookupError("no decoder layers")
 
 
-_NAMES = {"mlp": ("mlp",), "norm": ("input_layernorm", "ln_1"), "attn": ("self_attn", "attn"),
-          "act": ("act_fn", "act", "activation_fn"), "proj": ("q_proj", "qkv_proj", "c_attn"),
-          "mlp_proj": ("up_proj", "gate_up_proj", "c_fc")}
+# (the names after the first ones found: the found families' (usage_dimensions.FOUND_FAMILIES), each tried after
+# every name a family read by hand has, so their modules are placed as before: GPT-NeoX's `attention` and its
+# `query_key_value`, OLMo 2's and EXAONE 4's norms after the attention only)
+_NAMES = {"mlp": ("mlp",), "norm": ("input_layernorm", "ln_1", "post_attention_layernorm"),
+          "attn": ("self_attn", "attn", "attention"), "act": ("act_fn", "act", "activation_fn"),
+          "proj": ("q_proj", "qkv_proj", "c_attn", "query_key_value"), "mlp_proj": ("up_proj", "gate_up_proj", "c_fc")}
 
 
 def place(model, target, layer):
@@ -105,7 +108,7 @@ def place(model, target, layer):
     if target in ("act", "mlp_proj"):
         parent = block.mlp if target == "act" else block.mlp
     elif target == "proj":
-        parent = block.self_attn if hasattr(block, "self_attn") else block.attn
+        parent = next(getattr(block, name) for name in _NAMES["attn"] if hasattr(block, name))
     for name in _NAMES[target]:
         if name in parent._modules:
             return parent, name, parent._modules[name]

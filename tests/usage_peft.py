@@ -7,8 +7,11 @@ or two ("a", "b"), and the changes a user makes between calls or mid-call from a
 
 from __future__ import annotations
 
-_ATTN = (("q_proj", "v_proj"), ("qkv_proj",), ("c_attn",))
-_MLP = (("up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("c_fc",))
+# (the last ones: found families' names, tried after every hand-read family's: GPT-NeoX's fused projection and MLP,
+# Phi's and GPT-J's MLPs; an MoE family's experts, one parameter per projection, take no LoRA: attention only)
+_ATTN = (("q_proj", "v_proj"), ("qkv_proj",), ("c_attn",), ("query_key_value",))
+_MLP = (("up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("c_fc",), ("dense_h_to_4h", "dense_4h_to_h"),
+        ("fc1", "fc2"), ("fc_in", "fc_out"))
 
 
 def _names(model, table):

@@ -31,6 +31,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 import transformers_async_stop as tas
 
 from adversarial_helpers import Boom, Interrupt, cache_state, config_cache, judge_model, static_cache
+from family_models import build_family
 from models import PAD, build, stock
 import usage_assisted_draws
 import usage_modules
@@ -188,8 +189,8 @@ def _fresh(model):
 
 def _model(sc, device, model_seed, shared=False):
     """The scenario's model: a cached one, or a fresh one for a scenario whose callbacks change the model (hooks,
-    parameters, attention), whose rotary module keeps state (rope), whose config carries a window (`window`) or that
-    runs the emulated graphed forward: each run starts from the built model."""
+    parameters, attention), whose rotary module keeps state (rope), whose config carries a window (`window`), of a
+    found family (`found_family`) or that runs the emulated graphed forward: each run starts from the built model."""
     dtype = sc.get("dtype", "float32")
     mutates = any(t.get("before") or any(c["kind"] == "mutator" for c in t["processors"] + t["criteria"])
                   for t in sc["turns"]) or bool(sc.get("user_module"))  # (issue 31: a user module changes it)
@@ -197,17 +198,40 @@ def _model(sc, device, model_seed, shared=False):
     # an emulated graphed scenario (issue 27) too: transformers keeps the output-capturing hooks a call asking for
     # hidden states installed on a shared model, and every later scenario's graphed forward would step aside there
     # (not for two threads: they share the cached model, and each thread's scenario runs with `shared`)
-    if not sc.get("rope") and not sc.get("window") and not mutates and (sc.get("graphed") != "emulated" or shared):
+    if sc.get("found_family"):
+        model = found_model(sc, device, model_seed)
+    elif not sc.get("rope") and not sc.get("window") and not mutates and (sc.get("graphed") != "emulated" or shared):
         return model_of(sc["family"], sc["attn"], model_seed, device, dtype)
+    else:
+        model = _hand_read_model(sc, device, model_seed)
+    model._usage_own = True  # built for this run alone
+    model._usage_fresh = set(vars(model)) | {"_usage_fresh"}
+    return model
+
+
+def _hand_read_model(sc, device, model_seed):
+    dtype = sc.get("dtype", "float32")
     family = rope_family(sc["family"], sc.get("rope"))
     config_kwargs = rope_config(family, sc.get("rope"))
     if sc.get("window"):
         config_kwargs["sliding_window"] = sc["window"]  # (usage_dimensions.WINDOW_FAMILIES)
-    model = build(family, seed=model_seed, device=device, attn=sc["attn"], dtype=getattr(torch, dtype),
-                  config_kwargs=config_kwargs)
-    model._usage_own = True  # built for this run alone
-    model._usage_fresh = set(vars(model)) | {"_usage_fresh"}
-    return model
+    return build(family, seed=model_seed, device=device, attn=sc["attn"], dtype=getattr(torch, dtype),
+                 config_kwargs=config_kwargs)
+
+
+def found_model(sc, device, model_seed=0):
+    """The scenario's found family (usage_dimensions.FOUND_FAMILIES) built from its config class at its defaults
+    (tests/family_models.py), its weights from the scenario's seed, built for each run. The drawn attention where the
+    release builds the family with it, else eager (transformers refuses SDPA for Gemma 2 on 5.24, for GPT-J before
+    5.24): each run builds it the same."""
+    dtype = getattr(torch, sc.get("dtype", "float32"))
+    seed = sc["seed"] + model_seed
+    try:
+        return build_family(sc["found_family"], device=device, dtype=dtype, seed=seed, attn=sc["attn"])
+    except ValueError:
+        if sc["attn"] == "eager":
+            raise
+        return build_family(sc["found_family"], device=device, dtype=dtype, seed=seed, attn="eager")
 
 
 def _inputs(sc, turn, t, model, device, state, result, rooms, grad):
