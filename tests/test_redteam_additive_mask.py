@@ -6,7 +6,7 @@ Every case runs on the CPU with the CUDA graphs emulated (`testing/emulation.py`
 compares the flag-on call with unpatched transformers (sequences, scores, logits, the returned cache, the RNG state
 after the call; and, where the point is what a user's code receives, what it received).
 
-Holes are marked `unittest.expectedFailure` with the hole named:
+The holes it found, each fixed, its test unmarked:
 - R1/R2 (additive masks): a user's `torch.nn.functional.scaled_dot_product_attention` (a wrapper or a replacement
   kernel installed the way SageAttention's README says) receives the float additive mask at replays where stock hands
   it the bool mask, is called twice per layer at a recording, and one that refuses float masks makes generate() raise
@@ -114,8 +114,8 @@ class AdditiveMaskRedTeam(unittest.TestCase):
 
     # -- change 1: who sees the additive mask ---------------------------------------------------------------------
 
-    @unittest.expectedFailure  # R1: a replay hands the user's torch SDPA the float additive mask (and a recording
-    # calls it twice per layer); stock hands it the bool mask once per layer
+    # R1 (fixed: `additive_mask.allowed` requires torch's own SDPA): a replay handed the user's torch SDPA the float
+    # additive mask (and a recording called it twice per layer); stock hands it the bool mask once per layer
     def test_a_user_replaced_torch_sdpa_receives_what_stock_hands_it(self):
         model = build("llama")
         ids, mask = prompt(batch=3, left_pad=True)
@@ -128,8 +128,8 @@ class AdditiveMaskRedTeam(unittest.TestCase):
             self._graphed()
             self.assertEqual(out.seen, ref.seen)
 
-    @unittest.expectedFailure  # R2: a user's torch SDPA that takes bool masks only: stock runs, the flag raises its
-    # TypeError (raised by the recording's second attention run, `additive_mask.check`)
+    # R2 (fixed with R1): a user's torch SDPA that takes bool masks only: stock runs, the flag raised its TypeError
+    # (raised by the recording's second attention run, `additive_mask.check`)
     def test_a_user_torch_sdpa_refusing_float_masks_raises_only_where_stock_does(self):
         model = build("llama")
         ids, mask = prompt(batch=3, left_pad=True)
@@ -432,9 +432,9 @@ class AdditiveMaskRedTeam(unittest.TestCase):
         finally:
             model.config.sliding_window = None
 
-    @unittest.expectedFailure  # R3 (predates both changes: `wide_mask.Watch.holds` reads no `config.sliding_window`):
-    # a Mistral's forward picks create_sliding_window_causal_mask from its config at every step; the loop keeps
-    # handing it the grown full-attention 4D mask, which that function returns as it is
+    # R3 (fixed: `wide_mask.Watch.holds` reads the family's window condition at every step; it predated both
+    # changes): a Mistral's forward picks create_sliding_window_causal_mask from its config at every step; the loop
+    # kept handing it the grown full-attention 4D mask, which that function returns as it is
     def test_mistral_sliding_window_set_mid_call_equals_stock(self):
         model = build("mistral")
 

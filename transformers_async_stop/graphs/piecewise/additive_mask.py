@@ -15,7 +15,8 @@ Copied from transformers v5.17.0-v5.24.0 `sdpa_attention_forward` (and the helpe
 for `is None` and its shape only, but (a) with a `position_bias` (a bool mask is merged by `where`, a float one
 added) and (b) on an Ascend NPU (a float mask is made bool). Differences: the mask is converted once per step, as
 torch converts it inside each call. Taken only where all of this holds:
-- the attention function the replay calls now is transformers' own `sdpa_attention_forward`, on no NPU, and the
+- the attention function the replay calls now is transformers' own `sdpa_attention_forward`, the SDPA it calls is
+  torch's own (no user's replacement of `torch.nn.functional.scaled_dot_product_attention`), on no NPU, and the
   sources are the ones read (`matches`);
 - the layer's recorded arguments hold no `position_bias` and no dropout;
 - the recording proved it for that layer (`check`): its attention ran with the bool mask (stock's) and again with
@@ -42,11 +43,20 @@ def _sdpa():
     return sdpa_attention.sdpa_attention_forward, sdpa_attention
 
 
+def _torch_sdpa():
+    """torch's own SDPA (the C function `torch.nn.functional` binds; None where a torch has no such binding)."""
+    return getattr(getattr(torch._C, "_nn", None), "scaled_dot_product_attention", None)
+
+
 def allowed(attention_fn) -> bool:
-    """The replay may hand `attention_fn` converted masks (the function and its module's state; per step, on the
-    host)."""
+    """The replay may hand `attention_fn` converted masks (the function, its module's state and the SDPA it calls;
+    per step, on the host). transformers' function looks up `torch.nn.functional.scaled_dot_product_attention` at
+    every call: a user's replacement there (a wrapper, another kernel) gets what stock hands it, the bool mask (red
+    team of 2026-11-29, holes R1 and R2)."""
     function, module = _sdpa()
-    return (function is not None and attention_fn is function
+    sdpa = _torch_sdpa()
+    return (function is not None and attention_fn is function and sdpa is not None
+            and torch.nn.functional.scaled_dot_product_attention is sdpa
             and not getattr(module, "_is_torch_npu_available", False) and matches(SHORTCUT))
 
 

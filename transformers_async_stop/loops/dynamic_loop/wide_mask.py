@@ -27,7 +27,8 @@ Differences: the mask is grown instead of rebuilt. It is used only where all of 
 - the prompt mask has padding (known on the host from the call's `MaskSummary`): an all-ones mask makes stock pass
   no mask at all (SDPA's own causal path), which is left to the model;
 and once per step, on the host (`Watch`): all of the above that a callback can change mid-call (a hook registered
-on the model, `set_attn_implementation`, a class-level `forward` wrapper, the mask functions), and the cache's length
+on the model, `set_attn_implementation`, a class-level `forward` wrapper, the mask functions, a window set on the
+config), and the cache's length
 plus one is the mask's length (a callback that crops, resets or fills the cache). Where one changed, the loop hands
 the model the 2D mask again from that step on, from which it builds its own, as stock does at every step.
 """
@@ -79,7 +80,7 @@ def applies(model, model_forward, cache, summary) -> "Watch | None":
     if (module is None or type(base) is not getattr(module, type(base).__name__, None)
             or type(model) is not getattr(module, causal_lm, None) or not single(base)):
         return None
-    watch = Watch(model, base, prefix, module, masking_utils)
+    watch = Watch(model, base, prefix, module, masking_utils, single)
     if not watch.holds() or not matches(f"dynamic decode mask ({name})"):
         return None
     return watch
@@ -91,10 +92,13 @@ class Watch:
     host before every grown mask is handed out (attribute and dict reads, no tensor). Where one changed, the model
     gets the 2D mask again from that step on and builds its own, as in stock."""
 
-    __slots__ = ("model", "base", "prefix", "module", "masking", "forwards")
+    __slots__ = ("model", "base", "prefix", "module", "masking", "forwards", "single")
 
-    def __init__(self, model, base, prefix, module, masking_utils):
+    def __init__(self, model, base, prefix, module, masking_utils, single):
         self.model, self.base, self.prefix, self.module, self.masking = model, base, prefix, module, masking_utils
+        # the family's single full-attention mask, read from the config at every step as the forward reads it (a
+        # `sliding_window` set on a Mistral's config mid-call: red team of 2026-11-29, additive mask, hole R3)
+        self.single = single
         # the forwards as they are now (the ones `matches` reads at the first decode step)
         self.forwards = (type(model).forward, type(base).forward)
 
@@ -103,6 +107,8 @@ class Watch:
         if getattr(model.config, "_attn_implementation", None) != "sdpa" or getattr(model, self.prefix, None) is not base:
             return False
         if type(model).forward is not self.forwards[0] or type(base).forward is not self.forwards[1]:
+            return False
+        if not self.single(base):
             return False
         if getattr(self.module, "create_causal_mask", None) is not masking_utils.create_causal_mask:
             return False
