@@ -7,6 +7,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site:$PWD
 res=$(mktemp -d)
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"; echo "tree: $(cat .gpu_commit)"; } | tee $res/device.txt
+echo "=== the additive mask's CUDA class after the no-sync test's fix"
+TRANSFORMERS_ASYNC_STOP_FORCE=1 timeout 100 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_additive_mask.py -k Cuda > $res/cuda_additive.txt 2>&1; grep -E "^FAILED|passed|failed" $res/cuda_additive.txt | tail -4
 for b in 1 8; do
   echo "=== per step, b$b"
   timeout 130 python3 -m transformers_async_stop.bench --cases llama-1b --modes eager --batch $b --variants stock,async,floor --reps 3 --json $res/step_b$b.json --markdown $res/step_b$b.md > $res/step_b$b.txt 2>&1; echo "exit $?"; grep -E "^llama-1b eager b" $res/step_b$b.txt | tail -4
