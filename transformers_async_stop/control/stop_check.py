@@ -73,7 +73,15 @@ def patched_deferred_class(original, target):
             ctl = self._ctl
             if ctl is None:
                 return super().finish()
-            steps_to_undo = ctl.finish()
+            try:
+                steps_to_undo = ctl.finish()
+            except BaseException:
+                # the last step's tokens reach the streamer in `ctl.finish()`, after `close()` let go of this check
+                # (`ctl.abort` no longer finds it): a streamer raising there leaves the returned cache as `abort`
+                # would, its recorded past trimmed and its recording off (usage fuzzer, found families, seed 15329)
+                if self.cache is not None:
+                    self._undo(1 if (ctl.extra or ctl.overran) else 0)
+                raise
             if self.cache is not None:
                 self._undo(steps_to_undo)
             return steps_to_undo
