@@ -163,15 +163,16 @@ _SDPA_ADDITIVE = Shortcut(
     "sdpa additive mask",
     (f"{_SDPA}:sdpa_attention_forward", f"{_SDPA}:use_gqa_in_sdpa", f"{_SDPA}:repeat_kv", f"{_SDPA}:pack_gqa",
      f"{_SDPA}:create_position_bias_mask"),
-    {f"{_SDPA}:sdpa_attention_forward": {"2519bd4da7bc": "5.17.0-5.18.0", "6a965ca3df2d": "5.19.0-5.20.2",
+    {f"{_SDPA}:sdpa_attention_forward": {"2519bd4da7bc": "5.16.1-5.18.0", "6a965ca3df2d": "5.19.0-5.20.2",
                                          "b3604d235f01": "5.21.1-5.22.2", "e3d016070b6a": "5.23.0",
                                          "9be3d6b1f79a": "5.24.0"},
-     f"{_SDPA}:use_gqa_in_sdpa": {"f066a12b1b63": "5.17.0", "f516785dc450": "5.18.0-5.22.2",
+     f"{_SDPA}:use_gqa_in_sdpa": {"f066a12b1b63": "5.16.1-5.17.0", "f516785dc450": "5.18.0-5.22.2",
                                   "25bcff32ef32": "5.23.0-5.24.0"},
-     f"{_SDPA}:repeat_kv": {"e9b1ad4a8df3": "5.17.0-5.24.0"},
-     f"{_SDPA}:pack_gqa": {None: "5.17.0-5.22.2 (absent)", "95273b46b163": "5.23.0-5.24.0"},
-     f"{_SDPA}:create_position_bias_mask": {"8f3c1a2fb4df": "5.17.0-5.19.0", "c19168e7f2eb": "5.20.2-5.24.0"}},
-    "graphs.piecewise.additive_mask", present="5.17+",
+     f"{_SDPA}:repeat_kv": {"e9b1ad4a8df3": "5.16.1-5.24.0"},
+     f"{_SDPA}:pack_gqa": {None: "5.16.1-5.22.2 (absent)", "95273b46b163": "5.23.0-5.24.0"},
+     f"{_SDPA}:create_position_bias_mask": {"8f3c1a2fb4df": "5.16.1-5.19.0", "c19168e7f2eb": "5.20.2-5.24.0"}},
+    # 5.16.1's sources are 5.17.0's, so the digests hold there too (the loop that takes it starts at 5.17)
+    "graphs.piecewise.additive_mask", present="5.16+",
     why="torch converts a bool attention mask to its additive form inside every SDPA call (14 host ops a layer on "
         "CUDA): a replay converts each mask once per step and hands every layer the result",
 )
