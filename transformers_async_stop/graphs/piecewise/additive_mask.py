@@ -17,7 +17,8 @@ added) and (b) on an Ascend NPU (a float mask is made bool). Differences: the ma
 torch converts it inside each call. Taken only where all of this holds:
 - the attention function the replay calls now is transformers' own `sdpa_attention_forward`, the SDPA it calls is
   torch's own (no user's replacement of `torch.nn.functional.scaled_dot_product_attention`), on no NPU, and the
-  sources are the ones read (`matches`);
+  sources are the ones read (`matches`: "sdpa additive mask", and "sdpa additive mask (pack_gqa)" where the module
+  has `pack_gqa`);
 - the layer's recorded arguments hold no `position_bias` and no dropout;
 - the recording proved it for that layer (`check`): its attention ran with the bool mask (stock's) and again with
   its additive form, and the two outputs were equal bit for bit. A torch that converts otherwise, or that picks
@@ -32,6 +33,7 @@ import torch
 from ...release_checks.verified import matches
 
 SHORTCUT = "sdpa additive mask"
+PACK_SHORTCUT = "sdpa additive mask (pack_gqa)"  # 5.23+: the module's `pack_gqa`, read where it has one
 
 
 def _sdpa():
@@ -57,7 +59,8 @@ def allowed(attention_fn) -> bool:
     sdpa = _torch_sdpa()
     return (function is not None and attention_fn is function and sdpa is not None
             and torch.nn.functional.scaled_dot_product_attention is sdpa
-            and not getattr(module, "_is_torch_npu_available", False) and matches(SHORTCUT))
+            and not getattr(module, "_is_torch_npu_available", False) and matches(SHORTCUT)
+            and (not hasattr(module, "pack_gqa") or matches(PACK_SHORTCUT)))
 
 
 def of(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
