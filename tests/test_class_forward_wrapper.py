@@ -105,3 +105,41 @@ class ModelClassesOwnForwardKeepsTheDeferredPath(unittest.TestCase):
         model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=6, do_sample=False,
                        eos_token_id=stop_ids(), pad_token_id=PAD, async_stopping_criteria=True)
         self.assertNotIn("replaced by user code", str(tas.last_path()))
+
+
+class AWrapperAtTheFirstProofIsNotKeptAsTheOriginal(unittest.TestCase):
+    """The piecewise proof keeps, per process, the object first seen at each class method a replay skips, and sends a
+    step eager where another is there now (`proof/names._first_seen`). A user's wrapper there at the process's first
+    proof of the class was kept as the first: once the original was put back, every later model of the class decoded
+    eagerly for the rest of the process ("LlamaForCausalLM.forward was replaced"; a test's wrapper at a pytest
+    worker's first Llama proof failed 191 later tests of the 5.17 suite)."""
+
+    def test_a_class_wrapped_at_its_first_proof_is_graphed_once_the_original_is_back(self):
+        from models import TRANSFORMERS_VERSION, prompt
+        from test_piecewise import _check_against_stock
+        from transformers_async_stop.graphs.piecewise.proof import names
+        from transformers_async_stop.testing.emulation import emulated
+
+        import transformers_async_stop as tas
+
+        if not (5, 17) <= TRANSFORMERS_VERSION[:2] <= (5, 24):
+            self.skipTest("the piecewise forward's releases (5.17-5.24)")
+        model = build("llama")
+        key = (type(model), "forward")
+        missing = object()
+        saved = names._FIRST_SEEN.pop(key, missing)  # as in a process that has not proven a Llama yet
+        self.addCleanup(lambda: names._FIRST_SEEN.__setitem__(key, saved) if saved is not missing
+                        else names._FIRST_SEEN.pop(key, None))
+        ids, mask = prompt(batch=1)
+        kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
+        wrap = Wrap(model)
+        wrap.install()
+        try:
+            with emulated():
+                _check_against_stock(self, model, ids, mask, **kwargs)
+            self.assertFalse((tas.last_path().forward or "").startswith("graphed"), tas.last_path().forward)
+        finally:
+            wrap.undo()
+        with emulated():
+            _check_against_stock(self, build("llama"), ids, mask, **kwargs)
+        self.assertTrue((tas.last_path().forward or "").startswith("graphed"), tas.last_path().forward)

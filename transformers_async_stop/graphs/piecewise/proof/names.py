@@ -14,6 +14,7 @@ and a replay never does:
 from __future__ import annotations
 
 import builtins
+import os
 import sys
 
 import torch
@@ -112,6 +113,7 @@ _TENSOR_OPERATORS = tuple(f"__{op}__" for op in (
 # (a class-level forward wrapper, a patched module function) must send the call to the eager forward. A wrapper made
 # with `functools.wraps` has the original's source (`inspect.getsource` unwraps it), so the digests cannot see it.
 _FIRST_SEEN: dict = {}
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))) + os.sep
 
 
 def watched(model, module, family, families) -> list:
@@ -121,7 +123,38 @@ def watched(model, module, family, families) -> list:
     pairs += [(module, name) for name in family.watched if hasattr(module, name)]
     pairs += _looked_up(module, family, families)
     pairs += default_deny.transformers_methods({type(m) for m in model.modules()})
-    return [(owner, name, _FIRST_SEEN.setdefault((owner, name), getattr(owner, name))) for owner, name in pairs]
+    return [(owner, name, _first_seen(owner, name)) for owner, name in pairs]
+
+
+def _first_seen(owner, name):
+    """The object first seen at `owner.name` by this process; one in code outside transformers, torch and this
+    package (a user's class-level wrapper or replacement, there while a model is proven) is returned but not kept as
+    the first: kept, it would make putting the original back look like a rebinding, and every later model of that
+    class decode eagerly for the rest of the process (found in the 5.17 suite: a test's `LlamaForCausalLM.forward`
+    wrapper there at a worker's first Llama proof sent every later Llama eager, "LlamaForCausalLM.forward was
+    replaced"). Such code itself is refused where it runs (`default_deny`)."""
+    key = (owner, name)
+    first = _FIRST_SEEN.get(key, _UNSEEN)
+    if first is not _UNSEEN:
+        return first
+    current = getattr(owner, name)
+    if not _outside_libraries(current):
+        _FIRST_SEEN[key] = current
+    return current
+
+
+_UNSEEN = object()
+
+
+def _outside_libraries(obj) -> bool:
+    """A Python function (or a method's function) whose code is in none of transformers', torch's or this package's
+    files."""
+    from ....undo.module_state import library_dirs, real_path
+
+    code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+    if code is None:
+        return False
+    return not real_path(code.co_filename).startswith(library_dirs() + (_PACKAGE_DIR,))
 
 
 _LOOKED_UP: dict = {}
