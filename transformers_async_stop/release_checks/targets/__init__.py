@@ -13,13 +13,14 @@ Two tables: `patches.TARGETS` (what `apply()` replaces) and `shortcuts.SHORTCUTS
 computes itself, taken only where the installed source has a digest listed there, `verified.py`).
 """
 
+from .attention_rows import ATTENTION_SHORTCUTS
 from .draft_prefill_rows import DRAFT_PREFILL_SHORTCUTS
 from .patches import TARGETS, Target, present_in
 from .piecewise_rows import PIECEWISE_SHORTCUTS
 from .shortcuts import SHORTCUTS as _SHORTCUTS
 from .shortcuts import Shortcut
 
-# the piecewise forward's rows, and the draft prefill port's, live in their own files
-SHORTCUTS = _SHORTCUTS + PIECEWISE_SHORTCUTS + DRAFT_PREFILL_SHORTCUTS
+# the piecewise forward's rows, the additive masks', and the draft prefill port's, live in their own files
+SHORTCUTS = _SHORTCUTS + PIECEWISE_SHORTCUTS + ATTENTION_SHORTCUTS + DRAFT_PREFILL_SHORTCUTS
 
 __all__ = ["SHORTCUTS", "TARGETS", "Shortcut", "Target", "present_in"]
