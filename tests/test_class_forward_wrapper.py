@@ -143,3 +143,36 @@ class AWrapperAtTheFirstProofIsNotKeptAsTheOriginal(unittest.TestCase):
         with emulated():
             _check_against_stock(self, build("llama"), ids, mask, **kwargs)
         self.assertTrue((tas.last_path().forward or "").startswith("graphed"), tas.last_path().forward)
+
+
+class AWrapperAtTheFirstFlaggedCallIsNoReleaseNotice(unittest.TestCase):
+    """The release notice ("transformers X's sources differ ...; these fast paths are off") is computed once per
+    process, at its first flagged call. A user's class-level wrapper there turned shortcuts off and was reported as
+    the release's difference, on every later call of the process (found in this stop's 5.17 suite, a pytest worker's
+    first flagged call after the notice's reset)."""
+
+    def test_a_wrapper_at_the_first_flagged_call_leaves_no_notice_on_later_calls(self):
+        import warnings
+
+        import transformers_async_stop as tas
+        from transformers_async_stop.release_checks import release_notice
+
+        release_notice.reset()
+        self.addCleanup(release_notice.reset)
+        if release_notice.notice_text() is not None:
+            self.skipTest("this release has a notice of its own")
+        release_notice.reset()
+        model = build("llama")
+        kwargs = dict(attention_mask=torch.ones_like(PROMPT), max_new_tokens=3, pad_token_id=PAD,
+                      async_stopping_criteria=True)
+        wrap = Wrap(model)
+        wrap.install()
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model.generate(PROMPT, **kwargs)
+        finally:
+            wrap.undo()
+        self.assertFalse([w for w in caught if issubclass(w.category, release_notice.NewerReleaseWarning)])
+        model.generate(PROMPT, **kwargs)
+        self.assertIsNone(tas.last_path().notice)

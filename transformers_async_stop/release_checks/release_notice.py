@@ -55,7 +55,8 @@ def fast_paths_off(version: tuple[int, ...] | None = None) -> list[str]:
 
     version = tuple(version or installed_version())[:2]
     off = [shortcut.name for shortcut in SHORTCUTS
-           if present_in(shortcut, version) and not verified.matches(shortcut.name)]
+           if present_in(shortcut, version) and not verified.matches(shortcut.name)
+           and not verified.off_by_user_code(shortcut.name)]
     skipped = patching.skipped()
     off += [f"patch {target.name}" for target in TARGETS
             if target.name in skipped and present_in(target, version) and target.required]
