@@ -15,6 +15,7 @@ import inspect
 import itertools
 import logging
 import operator
+import os
 import sys
 import types
 import textwrap
@@ -102,9 +103,6 @@ def off_by_user_code(name: str) -> bool:
     replacement: code in none of transformers', torch's or this package's files), not because the release's sources
     differ. The release notice names only the latter: computed once per process, a wrapper there at the first flagged
     call made it report "sources differ" on every later call (found in this stop's 5.17 suite)."""
-    from ..undo.module_state import library_dirs, real_path
-
-    allowed = library_dirs()
     shortcut = _BY_NAME[name]
     user = False
     for source, digest in installed_digests(name).items():
@@ -114,11 +112,24 @@ def off_by_user_code(name: str) -> bool:
             obj = _resolve(source)
         except (ImportError, AttributeError):
             return False  # missing: the release's doing
-        code = getattr(getattr(obj, "__func__", obj), "__code__", None)
-        if code is None or real_path(code.co_filename).startswith(allowed) or getattr(obj, _OWN_MARK, False):
+        if not is_user_code(obj):
             return False  # transformers' own code, other than read: the release's doing
         user = True
     return user
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.realpath(__file__))) + os.sep
+
+
+def is_user_code(obj) -> bool:
+    """A Python function (or a method's function) whose code is in none of transformers', torch's or this package's
+    files, and not one of the package's own patches: a user's wrapper or replacement."""
+    from ..undo.module_state import library_dirs, real_path
+
+    code = getattr(getattr(obj, "__func__", obj), "__code__", None)
+    if code is None or getattr(obj, _OWN_MARK, False):
+        return False
+    return not real_path(code.co_filename).startswith(library_dirs() + (_PACKAGE_DIR,))
 
 
 def _foreign_wrapper(obj) -> bool:

@@ -14,12 +14,11 @@ and a replay never does:
 from __future__ import annotations
 
 import builtins
-import os
 import sys
 
 import torch
 
-from ....release_checks.verified import resolve_source, sources_of
+from ....release_checks.verified import is_user_code, resolve_source, sources_of
 from . import default_deny
 
 
@@ -113,7 +112,6 @@ _TENSOR_OPERATORS = tuple(f"__{op}__" for op in (
 # (a class-level forward wrapper, a patched module function) must send the call to the eager forward. A wrapper made
 # with `functools.wraps` has the original's source (`inspect.getsource` unwraps it), so the digests cannot see it.
 _FIRST_SEEN: dict = {}
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))) + os.sep
 
 
 def watched(model, module, family, families) -> list:
@@ -138,23 +136,13 @@ def _first_seen(owner, name):
     if first is not _UNSEEN:
         return first
     current = getattr(owner, name)
-    if not _outside_libraries(current):
+    if not is_user_code(current):
         _FIRST_SEEN[key] = current
     return current
 
 
 _UNSEEN = object()
 
-
-def _outside_libraries(obj) -> bool:
-    """A Python function (or a method's function) whose code is in none of transformers', torch's or this package's
-    files."""
-    from ....undo.module_state import library_dirs, real_path
-
-    code = getattr(getattr(obj, "__func__", obj), "__code__", None)
-    if code is None:
-        return False
-    return not real_path(code.co_filename).startswith(library_dirs() + (_PACKAGE_DIR,))
 
 
 _LOOKED_UP: dict = {}
