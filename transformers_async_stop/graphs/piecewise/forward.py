@@ -280,7 +280,10 @@ class PiecewiseForward:
         if report is None:
             return
         if self.replayed:
-            pieces = len(self.modules) + 1
+            # one piece between two attentions; with a derivation (`attention.Cut.derive`) one more per layer, between
+            # its cache update and the derivation
+            cut, _ = proof.attention.cut_of(type(self.modules[0]))
+            pieces = len(self.modules) * (2 if cut is not None and cut.derive is not None else 1) + 1
             tail = f"; {self.eager_steps} eager: {self.last_eager}" if self.eager_steps else ""
             steps = "rounds" if self.role == "verify" else "decode steps"
             text = f"graphed ({pieces} pieces): {self.replayed} {steps}{tail}"

@@ -10,6 +10,10 @@
   and begins the capture of the next piece, which reads that buffer. Eager attention also returns its weights: the
   forward gets a stand-in that refuses the recording if any op touches it (`_UnreadWeights`; the decoder layers drop
   them).
+Where the attention's keys and values are derived from the update's results by a method of the attention module
+(multi-head latent attention's `expand_kv`: `attention.Cut.derive`), the update begins a piece of its own (the
+forward's fixed-shape ops up to that call: the query's concatenation), the method's call ends it and runs eagerly, and
+its results must be what the attention gets (`derive`).
 So piece 0 is embedding + rotary + layer 0's norm, q/k/v projections and rotary; piece i (1..L-1) is layer i-1's
 o_proj, residual, post-attention norm, MLP and residual, and layer i's norm, projections and rotary; piece L ends
 with the final norm and the LM head. The kernels are the eager ones (a CUDA graph replays the launches it captured).
@@ -101,6 +105,17 @@ def _intercept(original):
     return attention
 
 
+def _intercept_derivation(original):
+    def derive(*args, **kwargs):
+        recorder = _ACTIVE.get()
+        if recorder is None or not args or args[0] is not recorder.expected_module():
+            return original(*args, **kwargs)
+        return recorder.derive(original, args, kwargs)
+
+    derive._tas_piecewise_original = original
+    return derive
+
+
 def _swapped_attention(impl: str):
     """transformers' registry entry `impl` replaced by the interceptor for the recording; restored whatever happens
     (the registry case of `attention.swapped`)."""
@@ -139,6 +154,10 @@ class _Recorder:
         self.config = None  # the model's config (`record`)
         self.raised = None  # an exception of the code the recording runs eagerly, as stock runs it (`_eager`)
         self.watch = None  # what the run executed, (`proof/watch.py`)
+        # a cut with a derivation (`attention.Cut.derive`): the layer's state between its update and its attention,
+        # None (no derivation), False (its piece under capture, the method not called yet) or True (called)
+        self.derives = False
+        self.derived = None
 
     def expected_module(self):
         index = len(self.rec.layers)
@@ -201,7 +220,31 @@ class _Recorder:
         with self.backend.stream(self.main):
             keys, values = self._eager(type(self.cache).update, self.cache, key_states, value_states, layer_idx)
         self.pending = (layer_idx, key_states, value_states, keys, values)
+        if self.derives:
+            # the forward's ops from here to the derivation's call (the query's concatenation) are a piece of their
+            # own: fixed shapes, replayed between the update and the derivation
+            self.derived = False
+            self.stream.wait_stream(self.main)
+            self.begin()
         return keys, values
+
+    def derive(self, original, args, kwargs):
+        """The derivation's call (`attention.Cut.derive`): it ends the piece the update began, runs eagerly on the
+        update's results and hands its own results on, which the attention must then get (checked by identity)."""
+        if self.pending is None or self.derived is not False or kwargs or len(args) != 3:
+            raise NotRecordable("a derivation call the recording did not expect")
+        module, keys, values = args
+        layer_idx, k, v, cache_keys, cache_values = self.pending
+        if keys is not cache_keys or values is not cache_values:
+            raise NotRecordable("the derivation's inputs are not the cache's")
+        self.end()
+        with self.backend.stream(self.main):
+            made = self._eager(original, module, keys, values)
+        if type(made) is not tuple or len(made) != 2:
+            raise NotRecordable("the derivation did not return keys and values")
+        self.pending = (layer_idx, k, v, made[0], made[1])
+        self.derived = True
+        return made
 
     def attention(self, original, args, kwargs):
         if self.pending is None or len(args) != 5:
@@ -209,6 +252,9 @@ class _Recorder:
         module, query, keys, values, mask = args
         layer_idx, k, v, cache_keys, cache_values = self.pending
         self.pending = None
+        if self.derived is False:
+            raise NotRecordable("the attention's keys/values are not derived from the cache's as the forward's code "
+                                "says")
         if keys is not cache_keys or values is not cache_values:
             raise NotRecordable("the attention's keys/values are not the cache's")
         real_mask = self.real_mask
@@ -246,6 +292,8 @@ class _Recorder:
                     weights = torch.Tensor._make_subclass(_UnreadWeights, torch.empty(0, device="meta"))
         self.rec.layers.append((layer_idx, query, k, v, recorded, buffer))
         self.rec.additive.append(additive)
+        self.rec.derived.append(self.derived is True)
+        self.derived = None
         self.stream.wait_stream(self.main)
         self.begin()
         return buffer, weights
@@ -347,6 +395,8 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend)
         recorder.config = model.config  # the config a mask call answered on the host must have been given
         recorder.watch = watch
+        recorder.derives = cut.derive is not None
+        recording.derive = cut.derive
         if mask_module is not None:
             # one sentinel per mask call, distinct objects (made here: nothing is allocated for them under capture)
             recorder.sentinels = [torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device)
@@ -356,7 +406,7 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         cache.update = recorder.update  # the call's own cache object, for this forward only
         try:
             with sites.swapped(cut, impl, type(modules[0]), _intercept), masks.swapped(mask_module, _ACTIVE), \
-                    backend.stream(stream), (watch if watch is not None else contextlib.nullcontext()):
+                    sites.swapped_derivation(cut, type(modules[0]), _intercept_derivation), backend.stream(stream), (watch if watch is not None else contextlib.nullcontext()):
                 recorder.begin()
                 outputs = model_forward(**kwargs)
                 if len(recording.layers) != len(modules) or recorder.pending is not None:

@@ -2,7 +2,8 @@
 
 **Replay**: copy the step's ids and positions into the buffers; replay piece 0; make the step's masks where the
 recording made them again (`masks.py`: a K-token forward, or any implementation other than SDPA) or answer them on the
-host (one token, sliding-window layers, SDPA); per layer, the real `cache.update` of the piece's k/v and the real
+host (one token, sliding-window layers, SDPA); per layer, the real `cache.update` of the piece's k/v (then, with a
+derivation, its piece and the class's method on the update's results: `attention.Cut.derive`) and the real
 attention (the function the forward looks up now, `attention.function`) with the recorded arguments (a bool mask in
 its additive form, converted once per step where the recording proved it: `additive_mask.py`), its output copied
 into the buffer; replay the next piece (`graphs.py` describes the pieces).
@@ -24,6 +25,10 @@ class Recording:
         self.layers: list = []  # per layer: (layer_idx, q, k, v, attention kwargs (positions marked), output buffer)
         # per layer: its replays may hand the attention its bool mask's additive form (`additive_mask.check`)
         self.additive: list = []
+        # the attention class's derivation (`attention.Cut.derive`: its name, None without) and, per layer, whether
+        # the recording ran it (then a piece of its own sits between the layer's update and the derivation)
+        self.derive = None
+        self.derived: list = []
         self.logits = None
         self.output_type = None
         self.pool = None
@@ -53,8 +58,16 @@ class Recording:
         update = type(cache).update
         # each bool mask converted once this step, for the layers proven at the recording (`additive_mask.py`)
         converted = additive_mask.StepMasks() if any(self.additive) and additive_mask.allowed(attention_fn) else None
+        # the derivation as the forward's `self.<name>(...)` finds it now (the per-step checks keep the forward eager
+        # where it is not transformers' own: `attention.why_not`)
+        derive = getattr(type(modules[0]), self.derive) if self.derive is not None else None
+        piece = 1
         for i, (layer_idx, q, k, v, kwargs, out) in enumerate(self.layers):
             keys, values = update(cache, k, v, layer_idx)
+            if self.derived[i]:
+                graphs[piece].replay()
+                piece += 1
+                keys, values = derive(modules[i], keys, values)
             if POSITIONS in kwargs.values():
                 kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
             layer_mask = mask if made is None else made[self.mask_of_layer[i]]
@@ -62,7 +75,8 @@ class Recording:
                 layer_mask = converted.get(layer_mask, q.dtype)
             result = attention_fn(modules[i], q, keys, values, layer_mask, **kwargs)[0]
             out.copy_(result)
-            graphs[i + 1].replay()
+            graphs[piece].replay()
+            piece += 1
         return self.output(cache, fresh_logits)
 
     def output(self, cache, fresh_logits=False):

@@ -19,6 +19,16 @@ is only where the call is and which scalars it takes. Where the call is (a `Cut`
 - none: the attention is computed inline in the module's `forward` (BLOOM, MPT, Falcon): there is no call to cut the
   forward at, and the model keeps its eager forward, named.
 
+A cut may also have a **derivation** (`Cut.derive`): a method of the attention module that the forward calls on the
+cache update's results, whose own results are the attention's keys and values. Multi-head latent attention
+(DeepSeek-V2/V3, GLM-4-MoE-lite, MiniCPM3, Mistral 4 and the other families with an `expand_kv`) caches its compressed
+latents and decompresses them after the update, over the whole grown cache (`self.expand_kv(kv_nope, k_rot)`): a
+shape that grows every step, so no piece can hold it. A recording runs it eagerly (as the attention), after a
+piece of its own holding the forward's fixed-shape ops between the update and that call (the query's concatenation);
+every replay calls the class's method, looked up then, on the keys and values the replay's update returned. The
+recorder checks the data flow by identity: the method gets exactly the update's results, and the attention exactly
+the method's (`graphs._Recorder.derive`).
+
 A recording replaces exactly the object that lookup finds (the registry entry, the module global or the class's
 method) with an interceptor for the length of the recording (`swapped`): a forward that looks its attention up another
 way never reaches the interceptor, and the recording fails, named. Every replay looks the function up again, and the
@@ -41,6 +51,8 @@ from .names import code_names
 FUNCTION, METHOD = "function", "method"
 # the attention module's methods that compute the attention for its `forward` (GPT-J's, up to 5.23)
 _METHODS = ("_attn",)
+# the attention module's methods that derive the attention's keys and values from the cache update's results
+_DERIVATIONS = ("expand_kv",)
 _REGISTRY = "ALL_ATTENTION_FUNCTIONS"
 
 
@@ -53,6 +65,9 @@ class Cut:
     # METHOD: the method's name
     name: str | None
     module: str  # the module whose globals the forward runs with (where a FUNCTION's registry and default are)
+    # the method deriving the attention's keys and values from the cache update's results (None: the attention gets
+    # the update's results themselves)
+    derive: str | None = None
 
 
 _CUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention class -> (Cut | None, why)
@@ -83,15 +98,16 @@ def _find_cut(cls) -> tuple[Cut | None, str | None]:
         return None, f"{cls.__name__} has no forward of its own code"
     names = code_names(forward)
     module = table.get("__name__", "")
+    derive = next((name for name in _DERIVATIONS if name in names and callable(getattr(cls, name, None))), None)
     if _REGISTRY in names and _REGISTRY in table:
         # the default `get_interface` is handed: the module's eager function (its name varies: `eager_attention_
         # forward`, `simple_eager_attention_forward`...); one found among the names the forward looks up
         defaults = sorted(name for name in names if name.endswith("attention_forward") and "eager" in name
                           and callable(table.get(name)))
-        return Cut(FUNCTION, defaults[0] if len(defaults) == 1 else None, module), None
+        return Cut(FUNCTION, defaults[0] if len(defaults) == 1 else None, module, derive), None
     for name in _METHODS:
         if name in names and callable(getattr(cls, name, None)):
-            return Cut(METHOD, name, module), None
+            return Cut(METHOD, name, module, derive), None
     return None, (f"the attention is computed inside {cls.__name__}.forward, not by an attention function: no point "
                   "to cut the forward at")
 
@@ -113,6 +129,13 @@ def function(cut: Cut, impl, cls):
         return registry.get_interface(impl, default)
     except KeyError:
         return None
+
+
+def derivation(cut: Cut, cls):
+    """The method a replay calls on the update's results (`Cut.derive`), looked up on the class as the forward's
+    `self.<name>(...)` finds it (an instance-level one keeps the forward eager: `why_not`); None where the cut has
+    none."""
+    return getattr(cls, cut.derive, None) if cut.derive is not None else None
 
 
 def _reads_registry(registry, impl: str) -> bool:
@@ -146,6 +169,13 @@ def why_not(cut: Cut, impl, modules) -> str | None:
         return f"an attention function for {impl} that is not transformers' own"
     if cut.kind == METHOD and any(cut.name in vars(module) for module in modules):
         return f"an instance-level {cut.name} on an attention module"
+    if cut.derive is not None:
+        # each replay calls it eagerly for every layer, as the attention: stock's code, or the forward stays eager
+        derive = derivation(cut, cls)
+        if derive is None or not transformers_own(derive):
+            return f"{cls.__name__}.{cut.derive} is not transformers' own"
+        if any(cut.derive in vars(module) for module in modules):
+            return f"an instance-level {cut.derive} on an attention module"
     if impl == "sdpa":
         if not steps.own_sdpa_mask():
             # stock's `create_causal_mask` calls the mask function registered for "sdpa" at every step; a replay's
@@ -174,6 +204,17 @@ def swapped(cut: Cut, impl, cls, intercept):
     else:  # the lookup returns its default, the module's eager function
         with _swapped_attribute(module, cut.name, intercept):
             yield
+
+
+@contextlib.contextmanager
+def swapped_derivation(cut: Cut, cls, intercept):
+    """The class's derivation method (`Cut.derive`) replaced by `intercept(original)` for a recording; restored
+    whatever happens. No derivation: nothing is swapped."""
+    if cut.derive is None:
+        yield
+        return
+    with _swapped_attribute(cls, cut.derive, intercept):
+        yield
 
 
 @contextlib.contextmanager
