@@ -376,7 +376,12 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         raise NotRecordable(why)
     device = inputs["input_ids"].device
     batch = inputs["input_ids"].shape[0]
-    recording = Recording(inputs["input_ids"].clone(), inputs["position_ids"].clone(),
+    # the buffers in their sizes' own strides: a (batch, 1) column sliced from the sequence (stock's input preparation,
+    # which a step after a mid-call change gets) carries the sequence's length as its row stride, which `clone` keeps,
+    # and a confirming recording at another position would then see another geometry at the embedding's op and never
+    # be confirmed (red team of 2026-11-29, latent attention: observation 1)
+    recording = Recording(inputs["input_ids"].clone(memory_format=torch.contiguous_format),
+                          inputs["position_ids"].clone(memory_format=torch.contiguous_format),
                           torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device))
     kwargs = dict(inputs)
     kwargs.update(input_ids=recording.ids, position_ids=recording.positions, attention_mask=recording.sentinel)

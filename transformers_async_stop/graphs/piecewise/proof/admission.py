@@ -64,6 +64,10 @@ def why_not_model(model, model_forward) -> str | None:
     why = _why_not_call(model, model_forward)
     if why is not None:
         return why
+    if getattr(model.config, "is_encoder_decoder", False):
+        # its decoder's cache is an `EncoderDecoderCache`, with a cross-attention call per layer that reads no update,
+        # and (BART) positions made from a host length: not recorded yet (docs/design/encoder-decoder-graphs.md)
+        return "the decoder of an encoder-decoder model (not graphed yet)"
     base = base_of(model)
     family, why = find(model)
     if family is None:
