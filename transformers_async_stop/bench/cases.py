@@ -116,6 +116,9 @@ class Case:
     # a workload (`workloads/`: "stream", "padded" or "chat"): a sequence of calls timed as whole passes, cold and
     # warm, in fresh threads, instead of the per-step difference of one call
     workload: str | None = None
+    # a case whose model takes other inputs than token ids (a speech encoder's features): (run, model, device) ->
+    # the generate() inputs of its runs; None: `make_inputs`' prompt of token ids
+    inputs: Callable[["Run", torch.nn.Module, torch.device], dict] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +291,8 @@ def _gpu_gib(device: torch.device) -> float:
 
 # --- inputs and generate() kwargs ---------------------------------------------------------------------------------
 def make_inputs(run: Run, model, device: torch.device) -> dict:
+    if run.case.inputs is not None:
+        return run.case.inputs(run, model, device)
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(1)
     # ids 3..vocab-2: clear of the usual special tokens (bos/eos/pad at the ends of the vocabulary)

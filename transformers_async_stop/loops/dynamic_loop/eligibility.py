@@ -2,7 +2,9 @@
 
 The loop is taken where it reproduces stock exactly, and nowhere else: a decoder-only model that keeps transformers'
 own `prepare_inputs_for_generation` (or Phi-3's own, read: `_OWN_INPUTS`) and `_update_model_kwargs_for_generation`
-and is not remote code, a plain
+and is not remote code, or an encoder-decoder of the families read (BART, mBART, Marian, Pegasus, T5, Whisper with
+its own preparation, read: `encoder_decoder.py`) with a plain `EncoderDecoderCache` of two `DynamicCache`s of
+full-attention layers; for a decoder-only model a plain
 `DynamicCache` (not compileable: stock builds no 4D mask in the input preparation) of full-attention and
 sliding-window layers (`DynamicLayer`, `DynamicSlidingWindowLayer`; an assistant's draft: the former only), one new
 token per step, no
@@ -29,6 +31,8 @@ from ...control.step_lists import _plan_criterion, is_user_criterion, plan_proce
 from ...release_checks.verified import matches
 from ...release_checks import cache_kwarg
 from ...release_checks.input_drops import own_prepare
+from .encoder_decoder import family_of as encoder_decoder_family
+from .encoder_decoder import own_prepare_read, why_not_cache
 
 DYNAMIC_LOOP_ENV = "TRANSFORMERS_ASYNC_STOP_DYNAMIC_LOOP"
 
@@ -41,6 +45,7 @@ def _off() -> bool:
 class DynamicPlan:
     """What one `_sample` call of the dynamic-cache loop runs."""
 
+    encoder_decoder: bool  # the model's `config.is_encoder_decoder`, read once (stock reads it at every step)
     processors: list  # callables (input_ids, scores) -> scores, in order (`_plan_processor`)
     criteria: list  # planned `(criterion, kind)` pairs, folded after each step (`fold_criteria`)
     user_criteria: bool  # one of them is not transformers' own: it may edit the last token in place
@@ -57,22 +62,30 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
 
     if _off() or synced_gpus:
         return None
-    if model.config.is_encoder_decoder or not model_kwargs.get("use_cache", True):
+    if not model_kwargs.get("use_cache", True):
         return None
+    # an encoder-decoder: the families read, with their `EncoderDecoderCache` (`encoder_decoder.py`)
+    encoder_decoder = bool(model.config.is_encoder_decoder)
+    if encoder_decoder and (generation_config.is_assistant or encoder_decoder_family(model) is None):
+        return None  # (an encoder-decoder's assisted decoding runs stock: its draft loop is not ported)
     if len(set(getattr(model, "hf_device_map", {}).values())) > 1 or torch.distributed.is_initialized():
         return None  # a model split over devices or processes
     if generation_config.return_dict_in_generate and (generation_config.output_attentions
                                                       or generation_config.output_hidden_states):
         return None
     kind = type(model)
-    if ((kind.prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation
-         and not own_inputs_read(model))
+    own_inputs = own_inputs_read(model) if not encoder_decoder else own_prepare_read(model)
+    if ((kind.prepare_inputs_for_generation is not GenerationMixin.prepare_inputs_for_generation and not own_inputs)
             or kind._update_model_kwargs_for_generation is not GenerationMixin._update_model_kwargs_for_generation):
         return None
     if _is_remote_code(model):
         return None  # stock adds a `cache_position` for remote code every step
     cache = cache_kwarg.get(model_kwargs)
-    if type(cache) is not DynamicCache or getattr(cache, "is_compileable", False):
+    if encoder_decoder:
+        if why_not_cache(cache) is not None:
+            return None
+        cache = cache.self_attention_cache  # the decoder's own: the one each step grows, and the undo crops
+    elif type(cache) is not DynamicCache or getattr(cache, "is_compileable", False):
         return None
     # full-attention and sliding-window layers: the extra step's undo is a crop of the former, and puts a returned
     # cache's layers back as they were before that step where it holds the latter (`cache_rollback.StepSnapshot`,
@@ -95,6 +108,7 @@ def plan_loop(model, logits_processor, stopping_criteria, generation_config, syn
         return None
     rdig = generation_config.return_dict_in_generate
     return DynamicPlan(
+        encoder_decoder=encoder_decoder,
         processors=processors, criteria=[(c, _plan_criterion(c)) for c in stopping_criteria],
         user_criteria=any(is_user_criterion(c) for c in stopping_criteria),
         do_sample=bool(generation_config.do_sample),

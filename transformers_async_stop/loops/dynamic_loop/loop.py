@@ -14,7 +14,11 @@ Copied from transformers v5.17.0-v5.24.0 `GenerationMixin._sample` (one source o
 - `_has_unfinished_sequences` and the stop-check object are not called: the controller is the stop check;
 - an assistant's prefill on a filled cache runs `prefill.py`'s port of `_prefill` with the decode steps' forward;
 - a returned cache with sliding-window layers has its layers' attributes kept (shallow copies) before each decode
-  step's forward: the extra step's undo puts them back (`cache_rollback.StepSnapshot`).
+  step's forward: the extra step's undo puts them back (`cache_rollback.StepSnapshot`);
+- an encoder-decoder's `config.is_encoder_decoder` is read once per call (`DynamicPlan.encoder_decoder`), and its
+  result is stock's `GenerateEncoderDecoderOutput` without attentions or hidden states (`encoder_decoder.py`; the
+  loop is not taken where they are asked for). The extra step's undo crops the self-attention cache alone: the
+  cross-attention cache is written at the prefill only.
 The sequence (`torch.cat` per step), the logits copy, the token selection and the recorded scores and logits are
 stock's own lines.
 """
@@ -29,6 +33,7 @@ from ...graphs import piecewise
 from ...undo.cache_rollback import StepSnapshot, holds_sliding_layers, rollback_one_step, why_not_rollbackable
 from ...control.step_lists import fold_criteria
 from . import prefill
+from .encoder_decoder import output as encoder_decoder_output
 from .inputs import DecodeInputs
 from .kv_lengths import meter_for
 
@@ -45,7 +50,7 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
     scores = () if plan.scores else None
     raw_logits = () if plan.logits else None
     processors, criteria, do_sample, has_eos = plan.processors, plan.criteria, plan.do_sample, plan.has_eos
-    user_criteria = plan.user_criteria
+    user_criteria, encoder_decoder = plan.user_criteria, plan.encoder_decoder
     unfinished_sequences = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
 
     model_forward = (
@@ -100,7 +105,7 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
                     # the prefill's, and every step's where the inputs are stock's: the patched update also plans
                     # the controller's cache (`masking.patched_update_model_kwargs`)
                     model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs,
-                                                                             is_encoder_decoder=False)
+                                                                             is_encoder_decoder=encoder_decoder)
                 if ctl.join():
                     break  # the step the flag-off run never made: its forward is undone below
                 next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
@@ -144,6 +149,8 @@ def run(model, input_ids, generation_config, streamer, model_kwargs, ctl, plan):
     if streamer is not None:
         streamer.end()
     if generation_config.return_dict_in_generate:
+        if encoder_decoder:
+            return encoder_decoder_output(input_ids, scores, raw_logits, cache_kwarg.get(model_kwargs))
         return GenerateDecoderOnlyOutput(sequences=input_ids, scores=scores, logits=raw_logits, attentions=None,
                                          hidden_states=None, **cache_kwarg.output_field(cache_kwarg.get(model_kwargs)))
     return input_ids

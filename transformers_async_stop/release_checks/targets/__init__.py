@@ -15,12 +15,15 @@ computes itself, taken only where the installed source has a digest listed there
 
 from .attention_rows import ATTENTION_SHORTCUTS
 from .draft_prefill_rows import DRAFT_PREFILL_SHORTCUTS
+from .encoder_decoder_rows import ENCODER_DECODER_SHORTCUTS
 from .patches import TARGETS, Target, present_in
 from .piecewise_rows import PIECEWISE_SHORTCUTS
 from .shortcuts import SHORTCUTS as _SHORTCUTS
 from .shortcuts import Shortcut
 
-# the piecewise forward's rows, the additive masks', and the draft prefill port's, live in their own files
-SHORTCUTS = _SHORTCUTS + PIECEWISE_SHORTCUTS + ATTENTION_SHORTCUTS + DRAFT_PREFILL_SHORTCUTS
+# the piecewise forward's rows, the additive masks', the draft prefill port's, and the encoder-decoder families' of
+# the dynamic-cache loop, live in their own files
+SHORTCUTS = (_SHORTCUTS + PIECEWISE_SHORTCUTS + ATTENTION_SHORTCUTS + DRAFT_PREFILL_SHORTCUTS
+             + ENCODER_DECODER_SHORTCUTS)
 
 __all__ = ["SHORTCUTS", "TARGETS", "Shortcut", "Target", "present_in"]
