@@ -137,10 +137,11 @@ class DrawsCoverUsage(unittest.TestCase):
     def test_every_issue25_dimension_value_is_drawn_several_times(self):
         # each value of the autograd contexts, rope types, verdict shapes and dtypes, widths, mutations, in-place id
         # edits and hidden states: at least 3 times in 400 draws (a value never drawn fails here)
-        # (a found family, one of 23: FoundFamiliesAreDrawn counts them in 2000 draws)
+        # (a found family, one of 23: FoundFamiliesAreDrawn counts them in 2000 draws; a latent-attention family:
+        # LatentFamiliesAreDrawn)
         counts = collections.Counter(v for seed in range(400) for v in usage_dimensions.reached(draw(seed, DEVICE)))
         rare = {v: counts[v] for v in usage_dimensions.every_value(DEVICE)
-                if counts[v] < 3 and not v.startswith("found_family:")}
+                if counts[v] < 3 and not v.startswith(("found_family:", "latent_family:"))}
         self.assertEqual(rare, {}, "issue-25 dimension values drawn fewer than 3 times in 400 draws")
 
     def test_the_ci_slice_reaches_every_issue25_dimension_value(self):
@@ -333,12 +334,14 @@ class FoundFamiliesAreDrawn(unittest.TestCase):
 
     def test_a_seed_draws_as_before_but_for_the_family(self):
         # with the dimension not drawn, each seed's scenario is the one it drew before it existed: the dimension adds
-        # its one key and changes no other field
-        with mock.patch.object(usage_dimensions, "_found_family", lambda sc: None):
+        # its one key and changes no other field (`latent_family`, drawn where it is not, left out of both)
+        with mock.patch.object(usage_dimensions, "_found_family", lambda sc: None), \
+                mock.patch.object(usage_dimensions, "_latent_family", lambda sc: None):
             before = [draw(seed, DEVICE) for seed in range(300)]
         for seed, old in enumerate(before):
             new = dict(self.CASES[seed])
             new.pop("found_family", None)
+            new.pop("latent_family", None)
             self.assertEqual(new, old, seed)
 
     def test_found_families_are_drawn_only_where_the_other_draws_fit(self):
@@ -396,6 +399,89 @@ class FoundFamiliesAreDrawn(unittest.TestCase):
                     else:
                         usage_modules.place(model, target, 1)
             self.assertTrue(usage_peft._names(model, usage_peft._ATTN), family)
+
+
+class LatentFamiliesAreDrawn(unittest.TestCase):
+    """The `latent_family` dimension (usage_dimensions._latent_family): a multi-head latent attention family (issue 45:
+    DeepSeek-V3, DeepSeek-V2, GLM-4-MoE-lite, MiniCPM3), its tiny model (tests/latent_models.py) built by the runner,
+    drawn from its own random stream where `found_family` could have been drawn and was not; every earlier seed draws
+    as before, `found_family` included."""
+
+    CASES = UserModulesAreDrawn.CASES
+
+    def test_every_earlier_seed_draws_as_before_on_seeds_0_1999(self):
+        # with the dimension not drawn, each seed's scenario is the one it drew before it existed (every other
+        # dimension's fields, `found_family` among them): the dimension adds its one key and changes nothing else
+        with mock.patch.object(usage_dimensions, "_latent_family", lambda sc: None):
+            before = [draw(seed, DEVICE) for seed in range(2000)]
+        for seed, old in enumerate(before):
+            new = dict(self.CASES[seed])
+            new.pop("latent_family", None)
+            self.assertEqual(new, old, seed)
+
+    def test_latent_families_are_drawn_only_where_a_found_family_could_have_been_and_was_not(self):
+        drawn = [sc for sc in self.CASES if "latent_family" in sc]
+        if not usage_dimensions.LATENT_RELEASES:
+            self.assertEqual(drawn, [], "latent families drawn before 5.17")
+            return
+        self.assertGreater(len(drawn), 40)
+        for sc in drawn:
+            self.assertIn(sc["latent_family"], usage_dimensions.latent_available())
+            self.assertNotIn("found_family", sc, sc["seed"])
+            self.assertIn(sc["cache"], usage_dimensions.GRAPHED_CACHES, sc["seed"])
+            self.assertFalse({"rope", "window", "threads"} & set(sc), sc["seed"])
+            target = sc.get("user_module", {}).get("target")
+            self.assertNotIn((sc["latent_family"], target), usage_dimensions.LATENT_UNPLACED, sc["seed"])
+        # some of them on the graphed forward (emulated on the CPU), where the latents' derivation is recorded
+        self.assertGreater(sum(sc.get("graphed") in ("emulated", "natural") for sc in drawn), 10)
+
+    @unittest.skipUnless(usage_dimensions.LATENT_RELEASES, "drawn on transformers 5.17+")
+    def test_every_latent_family_is_drawn_several_times(self):
+        counts = collections.Counter(sc.get("latent_family") for sc in self.CASES)
+        rare = {f: counts[f] for f in usage_dimensions.latent_available() if counts[f] < 5}
+        self.assertEqual(rare, {}, "latent families drawn fewer than 5 times in 2000 draws")
+        self.assertEqual(set(usage_dimensions.latent_available()), set(usage_dimensions.LATENT_FAMILIES),
+                         "a latent family missing on a release the dimension draws on")
+
+    @unittest.skipUnless(usage_dimensions.LATENT_RELEASES, "drawn on transformers 5.17+")
+    def test_the_runner_builds_the_drawn_family_with_its_attention(self):
+        for attn in ("sdpa", "eager"):
+            sc = next(c for c in self.CASES if c.get("latent_family") and c["attn"] == attn)
+            model = usage_runner._model(sc, "cpu", 0)
+            self.assertEqual(model.config.model_type, sc["latent_family"])
+            self.assertEqual(model.config._attn_implementation, attn)
+            self.assertEqual(model.config.num_key_value_heads, model.config.num_attention_heads)
+            self.assertTrue(model._usage_own)  # (built for the run: a mutation cannot carry into the next one)
+            again = usage_runner._model(sc, "cpu", 0)
+            self.assertIsNot(again, model)
+            for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+                self.assertTrue(bool((a == b).all()), name)  # (the scenario's seed: both runs get the same weights)
+
+    @unittest.skipUnless(usage_dimensions.LATENT_RELEASES, "drawn on transformers 5.17+")
+    def test_each_latent_family_has_a_place_for_the_user_modules_drawn_with_it(self):
+        # usage_modules.place and usage_peft's names reach every latent family's modules in both layers (the hand-LoRA
+        # `proj` and peft's attention LoRA on the projection decompressing the cached latents), except the pairs
+        # LATENT_UNPLACED keeps out of the draw, which indeed have none in the routed-experts layer
+        import latent_models
+        import usage_modules
+        import usage_peft
+
+        targets = set(usage_module_draws.TARGETS) | {"act", "proj"}
+        for family in usage_dimensions.latent_available():
+            model = latent_models.build_latent(family, attn="eager")
+            for target in sorted(targets):
+                for layer in (0, 1):
+                    with self.subTest(family=family, target=target, layer=layer):
+                        if (family, target) in usage_dimensions.LATENT_UNPLACED and layer == 1:
+                            self.assertRaises(LookupError, usage_modules.place, model, target, layer)
+                        else:
+                            usage_modules.place(model, target, layer)
+            self.assertEqual(usage_modules.place(model, "proj", 1)[1], "kv_b_proj")
+            self.assertEqual(usage_peft._names(model, usage_peft._ATTN), ["q_b_proj", "kv_b_proj"], family)
+            mlp = ["gate_proj", "up_proj", "down_proj"] if family in usage_peft._MLP_GATED else ["up_proj", "down_proj"]
+            self.assertEqual(usage_peft._mlp_names(model), mlp, family)
+            for lora in ("attn", "attn_mlp"):  # (peft takes them: routed experts' fused projections included)
+                usage_peft.Adapters({"targets": lora, "second": True}, latent_models.build_latent(family))
 
 
 class ThreadScenariosAreFair(unittest.TestCase):

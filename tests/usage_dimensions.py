@@ -5,7 +5,9 @@ Per scenario: the autograd context around the calls (`grad`: none, `no_grad`, `i
 on a Llama's or Mistral's config (`window`), a model config with a stateful rotary module (`rope`: `dynamic`, `longrope`, `yarn`, `llama3`, small enough that the tiny model
 crosses `max_position_embeddings` / `original_max_position_embeddings` within a call; `longrope` at times on Phi-3,
 where real checkpoints ship it), on 5.17+ a "found" family's tiny model (`found_family`: Gemma, GPT-NeoX, Mixtral...,
-tests/family_models.py) instead of the drawn hand-read one, on the dynamic-cache loop. Per turn: a context of its own (`grad`), inputs made inside `inference_mode`
+tests/family_models.py) instead of the drawn hand-read one, on the dynamic-cache loop, or where none is drawn at times
+a multi-head latent attention family's (`latent_family`: DeepSeek-V3, DeepSeek-V2, GLM-4-MoE-lite, MiniCPM3,
+tests/latent_models.py). Per turn: a context of its own (`grad`), inputs made inside `inference_mode`
 (`made_in`), an aliasing probe (`alias_probe`), a change the caller makes before the call (`before`), and one or two
 callbacks of usage_mutators.py inserted among the turn's processors and criteria: mid-call mutations of the model,
 the cache, the generation config or the processor/criteria lists, in-place edits of `input_ids`, processors with
@@ -59,6 +61,15 @@ FOUND_RATE = 0.5
 # (family, user-module target) with no such module in the family's decoder layer (usage_modules.place): the experts'
 # block holds no activation module of its own (the experts' is called as a function over the grouped experts)
 FOUND_UNPLACED = {("mixtral", "act"), ("qwen2_moe", "act")}
+# a multi-head latent attention family's tiny model (tests/latent_models.py, issue 45) in place of the drawn one
+# (2026-11-30): where `found_family` could have been drawn and was not, from a stream of its own ('<seed>/latent'), so
+# every seed draws `found_family` and every other field as before. A fixed tuple, as FOUND_FAMILIES
+LATENT_FAMILIES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3")
+LATENT_RELEASES = FOUND_RELEASES
+LATENT_RATE = 0.2
+# (family, user-module target) with no such module in the family's decoder layer 1 (usage_modules.place): its routed
+# experts' block holds no activation module of its own (MiniCPM3's second layer is a dense MLP)
+LATENT_UNPLACED = {("deepseek_v3", "act"), ("deepseek_v2", "act"), ("glm4_moe_lite", "act")}
 
 
 def _weighted(rng, table):
@@ -184,6 +195,34 @@ def _found_family(sc: dict) -> None:
     sc["found_family"] = family
 
 
+def latent_available() -> tuple:
+    """The latent-attention families drawn on the installed release (none before 5.17; those it has a config class
+    for)."""
+    if not LATENT_RELEASES:
+        return ()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return tuple(f for f in LATENT_FAMILIES if f in CONFIG_MAPPING_NAMES)
+
+
+def _latent_family(sc: dict) -> None:
+    """A multi-head latent attention family's tiny model for the scenario (`latent_family`, its own random stream),
+    where `found_family` could have been drawn (the same conditions: a dynamic cache or none, no rope or window, a
+    user module it has a place for) and was not. Drawn after `found_family`, and changes no field of any other
+    dimension: the runner builds that family's model (usage_runner._model, latent_models.build_latent)."""
+    if not LATENT_RELEASES or "found_family" in sc or sc["cache"] not in GRAPHED_CACHES or sc.get("rope") \
+            or sc.get("window"):
+        return
+    rng = random.Random(f"{sc['seed']}/latent")
+    if rng.random() >= LATENT_RATE:
+        return
+    family = rng.choice(LATENT_FAMILIES)
+    module = sc.get("user_module", {})
+    if family not in latent_available() or (family, module.get("target")) in LATENT_UNPLACED:
+        return
+    sc["latent_family"] = family
+
+
 def _graphed(sc: dict, device: str) -> None:
     """Issue 27: the flag run's piecewise forward, for a scenario it may take (its own random stream)."""
     kind = "cuda" if device != "cpu" else "cpu"
@@ -237,6 +276,7 @@ def add(sc: dict, device: str) -> None:
     usage_module_draws.add(sc, device)  # issue 31's user modules (their own random stream)
     usage_assisted_draws.add(sc, device)  # issue 32's assisted decoding and prompt lookup (the same)
     _found_family(sc)  # (last: it reads the other draws)
+    _latent_family(sc)  # (after it: drawn only where it was not)
 
 
 def candidates(sc: dict, variant):
@@ -245,7 +285,7 @@ def candidates(sc: dict, variant):
         yield variant(lambda s: s.__setitem__("graphed", "off"))
     yield from usage_assisted_draws.candidates(sc, variant)
     yield from usage_module_draws.candidates(sc, variant)
-    for key in ("grad", "rope", "window", "found_family"):
+    for key in ("grad", "rope", "window", "found_family", "latent_family"):
         if key in sc:
             yield variant(lambda s, key=key: s.pop(key))
     if sc["family"] == "phi3":
@@ -273,6 +313,8 @@ def reached(sc: dict) -> set:
         out.add("window:" + sc["family"])
     if "found_family" in sc:
         out.add("found_family:" + sc["found_family"])
+    if "latent_family" in sc:
+        out.add("latent_family:" + sc["latent_family"])
     if "graphed" in sc:
         out.add("graphed:" + sc["graphed"])
     for turn in sc["turns"]:
@@ -310,6 +352,7 @@ def every_value(device: str = "cpu") -> set:
     out |= {"grad:" + g for g in GRADS} | {"rope:" + r for r in ROPE_TYPES} | {"family:phi3"}
     out |= {"window:" + f for f in WINDOW_FAMILIES}
     out |= {"found_family:" + f for f in found_available()}
+    out |= {"latent_family:" + f for f in latent_available()}
     out |= {"turn:grad", "turn:made_in", "turn:alias_probe", "mutator:processor", "mutator:criterion"}
     out |= {"before:" + w for w in BEFORE} | {"mutation:" + w for w in MUTATIONS} | {"hidden:" + h for h in HIDDEN}
     out |= {"width:widen", "width:narrow"} | {"after_width:" + n for n in WIDEN_THEN}

@@ -92,10 +92,12 @@ def _layers(model):
 
 # (the names after the first ones found: the found families' (usage_dimensions.FOUND_FAMILIES), each tried after
 # every name a family read by hand has, so their modules are placed as before: GPT-NeoX's `attention` and its
-# `query_key_value`, OLMo 2's and EXAONE 4's norms after the attention only)
+# `query_key_value`, OLMo 2's and EXAONE 4's norms after the attention only; the latent-attention families'
+# (usage_dimensions.LATENT_FAMILIES) projection that decompresses the cached latents, inside their `expand_kv`)
 _NAMES = {"mlp": ("mlp",), "norm": ("input_layernorm", "ln_1", "post_attention_layernorm"),
           "attn": ("self_attn", "attn", "attention"), "act": ("act_fn", "act", "activation_fn"),
-          "proj": ("q_proj", "qkv_proj", "c_attn", "query_key_value"), "mlp_proj": ("up_proj", "gate_up_proj", "c_fc")}
+          "proj": ("q_proj", "qkv_proj", "c_attn", "query_key_value", "kv_b_proj"),
+          "mlp_proj": ("up_proj", "gate_up_proj", "c_fc")}
 
 
 def place(model, target, layer):

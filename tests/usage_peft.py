@@ -8,10 +8,22 @@ or two ("a", "b"), and the changes a user makes between calls or mid-call from a
 from __future__ import annotations
 
 # (the last ones: found families' names, tried after every hand-read family's: GPT-NeoX's fused projection and MLP,
-# Phi's and GPT-J's MLPs; an MoE family's experts, one parameter per projection, take no LoRA: attention only)
-_ATTN = (("q_proj", "v_proj"), ("qkv_proj",), ("c_attn",), ("query_key_value",))
+# Phi's and GPT-J's MLPs; an MoE family's experts, one parameter per projection, take no LoRA: attention only; the
+# latent-attention families' query up-projection and the one decompressing the cached latents, in their `expand_kv`)
+_ATTN = (("q_proj", "v_proj"), ("qkv_proj",), ("c_attn",), ("query_key_value",), ("q_b_proj", "kv_b_proj"))
 _MLP = (("up_proj", "down_proj"), ("gate_up_proj", "down_proj"), ("c_fc",), ("dense_h_to_4h", "dense_4h_to_h"),
         ("fc1", "fc2"), ("fc_in", "fc_out"))
+
+# the latent-attention families with routed experts (usage_dimensions.LATENT_FAMILIES but MiniCPM3): peft converts
+# transformers' fused experts (`gate_up_proj`) only with both `gate_proj` and `up_proj` targeted, and their dense and
+# shared-experts MLPs have both: LoRA on all three projections there, experts included
+_MLP_GATED = {"deepseek_v3", "deepseek_v2", "glm4_moe_lite"}
+
+
+def _mlp_names(model):
+    if getattr(model.config, "model_type", None) in _MLP_GATED:
+        return ["gate_proj", "up_proj", "down_proj"]
+    return _names(model, _MLP)
 
 
 def _names(model, table):
@@ -26,7 +38,7 @@ class Adapters:
     def __init__(self, spec, model):
         from peft import LoraConfig, get_peft_model
 
-        targets = _names(model, _ATTN) + (_names(model, _MLP) if spec.get("targets") == "attn_mlp" else [])
+        targets = _names(model, _ATTN) + (_mlp_names(model) if spec.get("targets") == "attn_mlp" else [])
         conv1d = any(type(m).__name__ == "Conv1D" for m in model.modules())
         self.config = lambda: LoraConfig(r=2, lora_alpha=4, target_modules=list(targets), lora_dropout=0.0,
                                          init_lora_weights=False, fan_in_fan_out=conv1d)

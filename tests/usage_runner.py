@@ -32,6 +32,7 @@ import transformers_async_stop as tas
 
 from adversarial_helpers import Boom, Interrupt, cache_state, config_cache, judge_model, static_cache
 from family_models import build_family
+from latent_models import build_latent
 from models import PAD, build, stock
 import usage_assisted_draws
 import usage_modules
@@ -190,7 +191,7 @@ def _fresh(model):
 def _model(sc, device, model_seed, shared=False):
     """The scenario's model: a cached one, or a fresh one for a scenario whose callbacks change the model (hooks,
     parameters, attention), whose rotary module keeps state (rope), whose config carries a window (`window`), of a
-    found family (`found_family`) or that runs the emulated graphed forward: each run starts from the built model."""
+    found family (`found_family`) or a latent-attention one (`latent_family`) or that runs the emulated graphed forward: each run starts from the built model."""
     dtype = sc.get("dtype", "float32")
     mutates = any(t.get("before") or any(c["kind"] == "mutator" for c in t["processors"] + t["criteria"])
                   for t in sc["turns"]) or bool(sc.get("user_module"))  # (issue 31: a user module changes it)
@@ -200,6 +201,8 @@ def _model(sc, device, model_seed, shared=False):
     # (not for two threads: they share the cached model, and each thread's scenario runs with `shared`)
     if sc.get("found_family"):
         model = found_model(sc, device, model_seed)
+    elif sc.get("latent_family"):
+        model = latent_model(sc, device, model_seed)
     elif not sc.get("rope") and not sc.get("window") and not mutates and (sc.get("graphed") != "emulated" or shared):
         return model_of(sc["family"], sc["attn"], model_seed, device, dtype)
     else:
@@ -232,6 +235,20 @@ def found_model(sc, device, model_seed=0):
         if sc["attn"] == "eager":
             raise
         return build_family(sc["found_family"], device=device, dtype=dtype, seed=seed, attn="eager")
+
+
+def latent_model(sc, device, model_seed=0):
+    """The scenario's multi-head latent attention family (usage_dimensions.LATENT_FAMILIES) built from its config class
+    at its defaults but for the sizes (tests/latent_models.py), its weights from the scenario's seed, built for each
+    run, with the drawn attention (else eager, as `found_model`)."""
+    dtype = getattr(torch, sc.get("dtype", "float32"))
+    seed = sc["seed"] + model_seed
+    try:
+        return build_latent(sc["latent_family"], device=device, dtype=dtype, seed=seed, attn=sc["attn"])
+    except ValueError:
+        if sc["attn"] == "eager":
+            raise
+        return build_latent(sc["latent_family"], device=device, dtype=dtype, seed=seed, attn="eager")
 
 
 def _inputs(sc, turn, t, model, device, state, result, rooms, grad):
