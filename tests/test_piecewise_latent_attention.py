@@ -22,7 +22,7 @@ from transformers import StoppingCriteria
 
 import transformers_async_stop as tas
 from models import TRANSFORMERS_VERSION, prompt, stock
-from latent_models import FAMILIES, _SIZES, available, build_latent  # noqa: F401 (_SIZES: imported from here too)
+from latent_models import FAMILIES, available, build_latent
 from test_piecewise import _check_against_stock
 from transformers_async_stop.testing.emulation import emulated
 

@@ -26,7 +26,7 @@ import transformers_async_stop as tas
 from transformers_async_stop.release_checks import cache_kwarg
 from models import PAD, TRANSFORMERS_VERSION, prompt, stock
 from test_piecewise import _cache_name, _check_against_stock, _generate
-from test_piecewise_latent_attention import _SIZES, available, build_latent
+from latent_models import _SIZES, available, build_latent
 from transformers_async_stop.testing.emulation import emulated
 
 RELEASES = (5, 17) <= TRANSFORMERS_VERSION <= (5, 24)
