@@ -49,6 +49,10 @@ MAX_WIDE = 8  # K-token recordings per model (verify widths, the draft's prefill
 ROLES = ("decode", "draft", "verify")
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
+# an encoder-decoder's decoder step (Whisper's): the decoder's ids (its positions are the piecewise forward's, stock's
+# own values: `_encoder_decoder_step`), its mask where None, the encoder's outputs, the cache
+_ENCODER_DECODER_INPUTS = frozenset(("decoder_input_ids", "decoder_attention_mask", "encoder_outputs", "use_cache",
+                                     "return_dict"))
 
 
 class PiecewiseForward:
@@ -83,6 +87,9 @@ class PiecewiseForward:
         # step on (`dynamic_loop/wide_mask.py`): a step handed the 2D mask again there (a callback changed what the
         # grown mask relies on) stays eager, and no batch size takes two recordings
         self.remakes_padded = True
+        # the decoder of an encoder-decoder model (Whisper's: `family.Family.cross_attention`)
+        self.encoder_decoder = self.family is not None and self.family.cross_attention is not None
+        self.step_length = None  # an encoder-decoder step's: the self-attention cache's host length (`_step`)
 
     def _watch(self) -> None:
         """The per-step checks' set, from the model as it is now (again after a change was found and the model proven
@@ -143,6 +150,11 @@ class PiecewiseForward:
         recording = graphs.recordings.get(key)
         if recording is not None:
             graphs.recordings.move_to_end(key)
+            if self.encoder_decoder:
+                return self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["decoder_input_ids"],
+                                                       self.step_length, mask,
+                                                       proof.handover.attention_function(self.modules, self.impl),
+                                                       self.modules, encoder_outputs=inputs["encoder_outputs"]))
             return self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["input_ids"],
                                                    inputs["position_ids"], mask,
                                                    proof.handover.attention_function(self.modules, self.impl),
@@ -179,6 +191,12 @@ class PiecewiseForward:
             return self._eager(self._failed(key, f"not proven: {why}"), inputs)
         forward_inputs = {name: value for name, value in inputs.items() if name != "return_dict"}
         forward_inputs["return_dict"] = True
+        if self.encoder_decoder:
+            # stock's decoder makes these itself from the same host length (`arange(n) + cache_length`, repeated over
+            # the batch); handed to it, the length it reads reaches no output (`targets/piecewise_rows.py`, whisper)
+            ids = inputs["decoder_input_ids"]
+            positions = torch.arange(ids.shape[1], device=ids.device) + self.step_length
+            forward_inputs["decoder_position_ids"] = positions.unsqueeze(0).repeat(ids.shape[0], 1)
         # K tokens, one with sliding-window layers or another implementation than SDPA (key[5]): the module's mask
         # calls are recorded (`masks.py`)
         mask_module = sys.modules[self.family.module] if key[1] > 1 or type(key[5]) is tuple else None
@@ -192,7 +210,8 @@ class PiecewiseForward:
         try:
             made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
                           self.impl, pool, mask_module, watch=watch,
-                          host_masks=type(key[5]) is tuple and key[5][0] == "sliding")
+                          host_masks=type(key[5]) is tuple and key[5][0] == "sliding",
+                          encoder_decoder=self.encoder_decoder)
         except NotRecordable as error:
             graphs.sizes = list(map(len, graphs.dicts))  # what transformers' forward set on its modules meanwhile
             return self._eager(self._failed(key, f"not recordable: {error}"), inputs)
@@ -294,6 +313,8 @@ class PiecewiseForward:
     def _step(self, inputs):
         """(the attention's mask, the recording key, None), or (None, None, why this step runs eagerly). For a
         forward of K > 1 tokens the "mask" is the step's own (2D or None), from which each replay makes stock's."""
+        if self.encoder_decoder:
+            return self._encoder_decoder_step(inputs)
         cache = cache_kwarg.get(inputs)
         if (not _INPUTS.issuperset(name for name in inputs if name != cache_kwarg.name())
                 or inputs.get("return_dict", True) is not True):
@@ -335,20 +356,70 @@ class PiecewiseForward:
         # autocast, emulated, would have replayed its casts in a call without it)
         if torch.is_grad_enabled() or torch.is_autocast_enabled() or torch.is_autocast_enabled(self.device.type):
             return None, None, "gradients or autocast enabled"
-        key = (ids.shape[0], width, ids.dtype, positions.dtype, self.device,
-               # how the replay gets its masks (`mask_kind.of_step`)
-               kind, keep,
-               # every torch setting that can change a kernel's choice or its numerics (`settings.py`)
-               settings.read(),
-               # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them
-               # (the CUDA usage fuzzer: seeds 422, 775, 1447, 1899), and the reverse would hand inference-mode
-               # callers normal tensors where stock gives inference ones
-               torch.is_inference_mode_enabled(),
-               # factory calls without a device inside the pieces were recorded on this default device
-               steps.default_device(),
-               # the model's dtype, last (`_record` puts the one of the embedding module as it watches it then)
-               self.embeddings.weight.dtype)
-        return mask, key, None
+        return mask, self._key(ids, width, positions.dtype, kind, keep), None
+
+    def _encoder_decoder_step(self, inputs):
+        """`_step` for the decoder of an encoder-decoder model (Whisper's): one token, the decoder's ids, no decoder
+        mask, the encoder's outputs given (the encoder does not run), a plain `EncoderDecoderCache` filled by the
+        prefill (every layer's cross-attention written: `is_updated`), SDPA. The positions are the self-attention
+        cache's host length (`step_length`): stock's decoder makes them from that very value."""
+        from transformers.modeling_outputs import BaseModelOutput
+
+        cache = cache_kwarg.get(inputs)
+        if not _ENCODER_DECODER_INPUTS.issuperset(name for name in inputs if name != cache_kwarg.name()):
+            if "decoder_position_ids" in inputs:
+                return None, None, "an encoder-decoder step handed its decoder's positions"
+            return None, None, "inputs the recording does not take"
+        if inputs.get("return_dict", True) is not True or (
+                "return_dict" not in inputs and getattr(self.model.config, "return_dict", True) is not True):
+            return None, None, "inputs the recording does not take"
+        if inputs.get("decoder_attention_mask") is not None:
+            return None, None, "a decoder attention mask"
+        ids, encoder = inputs.get("decoder_input_ids"), inputs.get("encoder_outputs")
+        if not (steps.row(ids, self.device) and ids.shape[1] == 1):
+            return None, None, "not a one-token decode step"
+        if type(encoder) is not BaseModelOutput or not isinstance(encoder.last_hidden_state, torch.Tensor):
+            return None, None, "no encoder outputs (the encoder would run)"
+        if inputs.get("use_cache", True) is not True:
+            return None, None, "inputs the recording does not take"
+        from transformers.cache_utils import EncoderDecoderCache
+
+        if type(cache) is not EncoderDecoderCache or "update" in vars(cache):
+            return None, None, f"a {type(cache).__name__}"
+        why = why_not_cache(cache.self_attention_cache) or why_not_cache(cache.cross_attention_cache)
+        if why is not None:
+            return None, None, why
+        layers = len(self.modules) // 2
+        own, cross = cache.self_attention_cache.layers, cache.cross_attention_cache.layers
+        if (len(own) != layers or len(cross) != layers or not all(layer.is_initialized for layer in own)
+                or not all(layer.is_initialized for layer in cross)
+                or not all(cache.is_updated.get(index) is True for index in range(layers))):
+            return None, None, "a cache not filled by this model's prefill"
+        self.impl = impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl != "sdpa":
+            return None, None, f"an encoder-decoder's attention implementation {impl!r} (its masks made in the forward)"
+        if torch.is_grad_enabled() or torch.is_autocast_enabled() or torch.is_autocast_enabled(self.device.type):
+            return None, None, "gradients or autocast enabled"
+        # stock's decoder reads it as `cache.get_seq_length()` (the self-attention cache's), on the host
+        self.step_length = cache.get_seq_length()
+        # no mask: SDPA's own causal path for one query (`steps.attention_mask`), the kind True
+        return None, self._key(ids, 1, torch.long, True, 0), None
+
+    def _key(self, ids, width, positions_dtype, kind, keep):
+        """The recording key of a step (see `_step`)."""
+        return (ids.shape[0], width, ids.dtype, positions_dtype, self.device,
+                # how the replay gets its masks (`mask_kind.of_step`)
+                kind, keep,
+                # every torch setting that can change a kernel's choice or its numerics (`settings.py`)
+                settings.read(),
+                # buffers recorded under inference mode are inference tensors: a replay outside it cannot write them
+                # (the CUDA usage fuzzer: seeds 422, 775, 1447, 1899), and the reverse would hand inference-mode
+                # callers normal tensors where stock gives inference ones
+                torch.is_inference_mode_enabled(),
+                # factory calls without a device inside the pieces were recorded on this default device
+                steps.default_device(),
+                # the model's dtype, last (`_record` puts the one of the embedding module as it watches it then)
+                self.embeddings.weight.dtype)
 
 
 def tell(report, role: str, text: str) -> None:

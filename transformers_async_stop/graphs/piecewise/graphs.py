@@ -14,6 +14,12 @@ Where the attention's keys and values are derived from the update's results by a
 (multi-head latent attention's `expand_kv`: `attention.Cut.derive`), the update begins a piece of its own (the
 forward's fixed-shape ops up to that call: the query's concatenation), the method's call ends it and runs eagerly, and
 its results must be what the attention gets (`derive`).
+The decoder of an encoder-decoder model (Whisper's: `family.Family.cross_attention`) has two attention sites per
+layer: the self-attention, cut as above at the update of the call's `EncoderDecoderCache`'s `self_attention_cache`
+(the interception goes on that inner object), and the cross-attention, whose keys and values are, by identity, the
+cross-attention cache layer's tensors as the step began (no op, no update: its `is_updated` branch). At that call the
+piece ends, the attention runs eagerly (its output copied into a buffer) and the next piece begins; each replay hands
+it the cross-attention cache's tensors of the step's own cache, never an address the recording saw.
 So piece 0 is embedding + rotary + layer 0's norm, q/k/v projections and rotary; piece i (1..L-1) is layer i-1's
 o_proj, residual, post-attention norm, MLP and residual, and layer i's norm, projections and rotary; piece L ends
 with the final norm and the LM head. The kernels are the eager ones (a CUDA graph replays the launches it captured).
@@ -63,6 +69,14 @@ from .recording import Recording  # noqa: F401 (a recording's graphs and buffers
 
 _ACTIVE: contextvars.ContextVar["_Recorder | None"] = contextvars.ContextVar("tas_piecewise_recorder", default=None)
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+# the step's ids, positions and mask under a decoder-only model's names, and under an encoder-decoder's decoder's
+DECODER_ONLY_INPUTS = ("input_ids", "position_ids", "attention_mask")
+ENCODER_DECODER_INPUTS = ("decoder_input_ids", "decoder_position_ids", "decoder_attention_mask")
+# an encoder-decoder's output fields that carry the encoder's outputs (`Seq2SeqLMOutput`) -> the `BaseModelOutput`'s
+ENCODER_FIELDS = {"encoder_last_hidden_state": "last_hidden_state", "encoder_hidden_states": "hidden_states",
+                  "encoder_attentions": "attentions"}
 
 
 class NotRecordable(Exception):
@@ -158,6 +172,14 @@ class _Recorder:
         # None (no derivation), False (its piece under capture, the method not called yet) or True (called)
         self.derives = False
         self.derived = None
+        # an encoder-decoder's decoder (`family.Family.cross_attention`): per attention site (one per module, in call
+        # order) its cache layer and whether it is a cross-attention (no update, the cross-attention cache's keys and
+        # values); the cross-attention cache and each of its layers' (keys, values) as the step began. A decoder-only
+        # model: a site per layer, none a cross-attention
+        self.site_layers = range(len(modules))
+        self.cross_sites = None
+        self.cross_cache = None
+        self.cross_held = None
 
     def expected_module(self):
         index = len(self.rec.layers)
@@ -201,7 +223,8 @@ class _Recorder:
             # `F.scaled_dot_product_attention` itself): it would have been captured over a cache that grows
             raise NotRecordable(f"layer {self.pending[0]}'s attention does not go through transformers' attention "
                                 "functions")
-        if not _plain_update(args, kwargs) or layer_idx != index or self.graph is None:
+        if (not _plain_update(args, kwargs) or index >= len(self.site_layers) or layer_idx != self.site_layers[index]
+                or (self.cross_sites is not None and self.cross_sites[index]) or self.graph is None):
             raise NotRecordable(f"an unexpected cache update (layer {layer_idx})")
         self.end()
         if self.mask_module is not None and self.real_masks is None:
@@ -247,6 +270,9 @@ class _Recorder:
         return made
 
     def attention(self, original, args, kwargs):
+        if self.cross_sites is not None and len(self.rec.layers) < len(self.cross_sites) and \
+                self.cross_sites[len(self.rec.layers)]:
+            return self.cross_attention(original, args, kwargs)
         if self.pending is None or len(args) != 5:
             raise NotRecordable("an attention call the recording did not expect")
         module, query, keys, values, mask = args
@@ -271,14 +297,7 @@ class _Recorder:
             real_mask = self.real_masks[index]
         elif mask is not self.rec.sentinel:
             raise NotRecordable("the attention's mask is not the forward's")
-        recorded = {}
-        for name, value in kwargs.items():
-            if value is self.rec.positions:
-                recorded[name] = POSITIONS
-            elif isinstance(value, SCALARS):
-                recorded[name] = value
-            else:
-                raise NotRecordable(f"the attention's argument {name!r} is a {type(value).__name__}")
+        recorded = self._recorded_kwargs(kwargs)
         with self.backend.stream(self.main):
             output, weights = self._eager(original, module, query, keys, values, real_mask, **kwargs)
             with self.quiet():
@@ -294,6 +313,52 @@ class _Recorder:
         self.rec.additive.append(additive)
         self.rec.derived.append(self.derived is True)
         self.derived = None
+        self.stream.wait_stream(self.main)
+        self.begin()
+        return buffer, weights
+
+    def _recorded_kwargs(self, kwargs) -> dict:
+        """The attention's keyword arguments as a replay hands them again: scalars, and the positions buffer marked."""
+        recorded = {}
+        for name, value in kwargs.items():
+            if value is self.rec.positions:
+                recorded[name] = POSITIONS
+            elif isinstance(value, SCALARS):
+                recorded[name] = value
+            else:
+                raise NotRecordable(f"the attention's argument {name!r} is a {type(value).__name__}")
+        return recorded
+
+    def cross_attention(self, original, args, kwargs):
+        """An encoder-decoder layer's cross-attention (`family.Family.cross_attention`): its keys and values are, by
+        identity, the cross-attention cache layer's as the step began (no op made them, no update wrote them: the
+        attention module's forward took the cache's `is_updated` branch), its mask None. It ends the piece under
+        capture, runs eagerly (its output copied into a buffer) and begins the next piece; each replay hands it the
+        cross-attention cache's tensors of the step's own cache (`Recording.replay`)."""
+        index = len(self.rec.layers)
+        if self.pending is not None or self.graph is None or len(args) != 5 or self.mask_module is not None:
+            raise NotRecordable("a cross-attention call the recording did not expect")
+        module, query, keys, values, mask = args
+        layer_idx = self.site_layers[index]
+        held = self.cross_held[layer_idx] if layer_idx < len(self.cross_held) else None
+        layer = self.cross_cache.layers[layer_idx] if layer_idx < len(self.cross_cache.layers) else None
+        if (held is None or keys is not held[0] or values is not held[1] or layer.keys is not keys
+                or layer.values is not values):
+            raise NotRecordable("the cross-attention's keys/values are not the cross-attention cache's")
+        if mask is not None:
+            raise NotRecordable("a cross-attention mask")
+        recorded = self._recorded_kwargs(kwargs)
+        self.end()
+        with self.backend.stream(self.main):
+            output, weights = self._eager(original, module, query, keys, values, None, **kwargs)
+            with self.quiet():
+                buffer = torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
+                buffer.copy_(output)
+                if weights is not None:
+                    weights = torch.Tensor._make_subclass(_UnreadWeights, torch.empty(0, device="meta"))
+        self.rec.layers.append((layer_idx, query, None, None, recorded, buffer))
+        self.rec.additive.append(False)
+        self.rec.derived.append(False)
         self.stream.wait_stream(self.main)
         self.begin()
         return buffer, weights
@@ -355,7 +420,7 @@ class _Recorder:
 
 
 def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: str, pool, mask_module=None,
-           watch=None, host_masks=False):
+           watch=None, host_masks=False, encoder_decoder=False):
     """Record the forward for `inputs`; (Recording, this step's outputs). Raises `NotRecordable` or
     `CaptureFailed` (nothing of this step done: the cache is as it was; `capture_failure`), or what the forward
     raised otherwise; returns None when another thread is inside
@@ -368,23 +433,31 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     module whose mask calls are recorded and answered on the host at each replay (`masks.host_mask`; `real_mask` the
     step's own); None for any other one-token forward, whose attention gets `real_mask` itself.
     `watch`: a `proof.watch.RunWatch` installed around the forward: what the run
-    executed, for `proof.verdict` to judge after it."""
+    executed, for `proof.verdict` to judge after it. `encoder_decoder`: the decoder of an encoder-decoder model
+    (`modules` in call order, each layer's self-attention then its cross-attention), `cache` its `EncoderDecoderCache`
+    (the update intercepted on its `self_attention_cache`), the step's inputs under the decoder's names and its
+    `encoder_outputs` given; one-token steps whose attention gets the mask known on the host only."""
     import time
 
     cut, why = sites.cut_of(type(modules[0]))
     if cut is None:
         raise NotRecordable(why)
-    device = inputs["input_ids"].device
-    batch = inputs["input_ids"].shape[0]
+    ids_key, positions_key, mask_key = ENCODER_DECODER_INPUTS if encoder_decoder else DECODER_ONLY_INPUTS
+    if encoder_decoder and mask_module is not None:
+        raise NotRecordable("an encoder-decoder's mask made in the forward")
+    device = inputs[ids_key].device
+    batch = inputs[ids_key].shape[0]
     # the buffers in their sizes' own strides: a (batch, 1) column sliced from the sequence (stock's input preparation,
     # which a step after a mid-call change gets) carries the sequence's length as its row stride, which `clone` keeps,
     # and a confirming recording at another position would then see another geometry at the embedding's op and never
     # be confirmed (red team of 2026-11-29, latent attention: observation 1)
-    recording = Recording(inputs["input_ids"].clone(memory_format=torch.contiguous_format),
-                          inputs["position_ids"].clone(memory_format=torch.contiguous_format),
+    recording = Recording(inputs[ids_key].clone(memory_format=torch.contiguous_format),
+                          inputs[positions_key].clone(memory_format=torch.contiguous_format),
                           torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device))
     kwargs = dict(inputs)
-    kwargs.update(input_ids=recording.ids, position_ids=recording.positions, attention_mask=recording.sentinel)
+    kwargs.update({ids_key: recording.ids, positions_key: recording.positions, mask_key: recording.sentinel})
+    # the cache whose update is intercepted: an encoder-decoder's self-attention cache
+    updated = cache.self_attention_cache if encoder_decoder else cache
     started = time.perf_counter()
     with concurrency.capture_turn() as alone:
         if not alone:
@@ -397,7 +470,13 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         # each replay answers on the host (any other implementation's, or a padded batch's, are made again at each
         # replay)
         recording.host_masks = host_masks and mask_module is not None and inputs["input_ids"].shape[1] == 1
-        recorder = _Recorder(recording, cache, modules, real_mask, main, stream, pool, backend)
+        recorder = _Recorder(recording, updated, modules, real_mask, main, stream, pool, backend)
+        if encoder_decoder:
+            recording.cross = [index % 2 == 1 for index in range(len(modules))]
+            recorder.cross_sites = recording.cross
+            recorder.site_layers = [index // 2 for index in range(len(modules))]
+            recorder.cross_cache = cache.cross_attention_cache
+            recorder.cross_held = [(layer.keys, layer.values) for layer in cache.cross_attention_cache.layers]
         recorder.config = model.config  # the config a mask call answered on the host must have been given
         recorder.watch = watch
         recorder.derives = cut.derive is not None
@@ -408,7 +487,7 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
                                   for _ in masks.MASK_FUNCTIONS]
         stream.wait_stream(main)
         token = _ACTIVE.set(recorder)
-        cache.update = recorder.update  # the call's own cache object, for this forward only
+        updated.update = recorder.update  # the call's own cache object, for this forward only
         try:
             with sites.swapped(cut, impl, type(modules[0]), _intercept), masks.swapped(mask_module, _ACTIVE), \
                     sites.swapped_derivation(cut, type(modules[0]), _intercept_derivation), backend.stream(stream), (watch if watch is not None else contextlib.nullcontext()):
@@ -416,7 +495,7 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
                 outputs = model_forward(**kwargs)
                 if len(recording.layers) != len(modules) or recorder.pending is not None:
                     raise NotRecordable("the forward did not run every layer's attention once")
-                _check_outputs(outputs, cache)
+                _check_outputs(outputs, cache, inputs.get("encoder_outputs") if encoder_decoder else None)
                 recorder.end()
         except BaseException as error:
             if recorder.graph is not None:
@@ -431,10 +510,11 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
                 raise
             raise CaptureFailed(f"{type(error).__name__}: {error}") from error
         finally:
-            del cache.update
+            del updated.update
             _ACTIVE.reset(token)
     recording.logits = outputs.logits
     recording.output_type = type(outputs)
+    recording.encoder_decoder = encoder_decoder
     recording.pool = recorder.pool
     recording.capture_seconds = time.perf_counter() - started
     return recording, outputs
@@ -456,10 +536,16 @@ def capture_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "captur" in str(error).lower()
 
 
-def _check_outputs(outputs, cache) -> None:
-    """A replay returns the logits and the cache, nothing else."""
+def _check_outputs(outputs, cache, encoder_outputs=None) -> None:
+    """A replay returns the logits and the cache, nothing else (an encoder-decoder's: and the encoder's outputs it was
+    handed, `Recording.output`)."""
     if (not isinstance(getattr(outputs, "logits", None), torch.Tensor)
             or cache_kwarg.of_output(outputs) is not cache
             or getattr(outputs, "hidden_states", None) is not None or getattr(outputs, "attentions", None) is not None
             or getattr(outputs, "loss", None) is not None):
         raise NotRecordable("the forward's outputs are not the logits and the cache alone")
+    if encoder_outputs is not None and (
+            set(outputs.keys()) - {"logits", cache_kwarg.name(), *ENCODER_FIELDS}
+            or any(getattr(outputs, field, None) is not getattr(encoder_outputs, source, None)
+                   for field, source in ENCODER_FIELDS.items())):
+        raise NotRecordable("the forward's outputs are not the logits, the cache and the encoder's outputs alone")

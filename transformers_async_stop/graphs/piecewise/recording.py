@@ -43,14 +43,30 @@ class Recording:
         # (`masks.host_mask`), not made again; the materialised windows it made, kept (`made`)
         self.host_masks = False
         self.host_made: dict = {}
+        # an encoder-decoder's decoder (`graphs.record(encoder_decoder=True)`): per attention site, whether it is a
+        # cross-attention (its keys and values the cross-attention cache's, no update); None: a decoder-only model
+        self.cross = None
+        self.encoder_decoder = False
 
-    def replay(self, cache, input_ids, position_ids, mask, attention_fn, modules, fresh_logits=False):
+    def replay(self, cache, input_ids, position_ids, mask, attention_fn, modules, fresh_logits=False,
+               encoder_outputs=None):
         """This step's forward. `mask`: the attention's mask for a one-token forward, the step's own (2D or None)
         mask for a K-token one. `fresh_logits`: return a copy of the logits buffer (a caller that keeps them past
-        the next replay: the verify forward, whose fp32 logits stock's loop writes into and returns as scores)."""
+        the next replay: the verify forward, whose fp32 logits stock's loop writes into and returns as scores).
+        An encoder-decoder's: `cache` its `EncoderDecoderCache`, `position_ids` the host length every position of the
+        step's (one-token) positions holds (stock's `arange(1) + cache_length`, repeated over the batch), and
+        `encoder_outputs` the step's, carried by the output as stock's carries them."""
         self.uses += 1
         self.ids.copy_(input_ids)
-        self.positions.copy_(position_ids)
+        if type(position_ids) is int:
+            self.positions.fill_(position_ids)
+        else:
+            self.positions.copy_(position_ids)
+        cross = self.cross
+        outer = cache
+        if self.encoder_decoder:
+            # the self-attention cache is the one updated; each cross-attention reads the step's own cache's layer
+            cross_layers, cache = cache.cross_attention_cache.layers, cache.self_attention_cache
         graphs = self.graphs
         graphs[0].replay()
         made = ((self._host_masks(cache, mask) if self.host_masks else self._masks(cache, mask)) if self.mask_calls
@@ -63,6 +79,14 @@ class Recording:
         derive = getattr(type(modules[0]), self.derive) if self.derive is not None else None
         piece = 1
         for i, (layer_idx, q, k, v, kwargs, out) in enumerate(self.layers):
+            if cross is not None and cross[i]:
+                layer = cross_layers[layer_idx]
+                if POSITIONS in kwargs.values():
+                    kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
+                out.copy_(attention_fn(modules[i], q, layer.keys, layer.values, None, **kwargs)[0])
+                graphs[piece].replay()
+                piece += 1
+                continue
             keys, values = update(cache, k, v, layer_idx)
             if self.derived[i]:
                 graphs[piece].replay()
@@ -77,11 +101,18 @@ class Recording:
             out.copy_(result)
             graphs[piece].replay()
             piece += 1
-        return self.output(cache, fresh_logits)
+        return self.output(outer, fresh_logits, encoder_outputs)
 
-    def output(self, cache, fresh_logits=False):
-        """The forward's output: the logits buffer (a copy of it with `fresh_logits`) and the cache."""
+    def output(self, cache, fresh_logits=False, encoder_outputs=None):
+        """The forward's output: the logits buffer (a copy of it with `fresh_logits`) and the cache; an
+        encoder-decoder's also the encoder's outputs it was handed (`graphs.ENCODER_FIELDS`), as stock's carries
+        them."""
         logits = self.logits.clone() if fresh_logits else self.logits
+        if self.encoder_decoder:
+            from .graphs import ENCODER_FIELDS
+
+            fields = {field: getattr(encoder_outputs, source) for field, source in ENCODER_FIELDS.items()}
+            return self.output_type(logits=logits, **cache_kwarg.output_field(cache), **fields)
         return self.output_type(logits=logits, **cache_kwarg.output_field(cache))
 
     def _host_masks(self, cache, mask) -> dict:

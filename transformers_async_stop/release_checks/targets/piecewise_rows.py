@@ -212,6 +212,52 @@ _OPT = ("opt", "transformers.models.opt.modeling_opt", {
 })
 
 
+# Whisper's decoder (WhisperForConditionalGeneration), 5.17.0-5.24.0 (read on each of 5.17.0, 5.18.0, 5.19.0, 5.20.2,
+# 5.21.1, 5.22.2, 5.23.0, 5.24.0; 5.17-5.22 the same). What each decision in Python depends on, for a decode step handed
+# `decoder_input_ids`, `decoder_position_ids` (the piecewise forward's: stock's own values, `forward._step`),
+# `encoder_outputs` (a `BaseModelOutput`), a plain `EncoderDecoderCache` whose every layer's cross-attention is written
+# (`is_updated`), no labels, no decoder mask (the recording's is the 4D sentinel):
+# - `WhisperForConditionalGeneration.forward`: `labels` None (the loss branch); `proj_out` on the last hidden state;
+#   the output carries the encoder's `last_hidden_state`, `hidden_states` and `attentions` as given (a replay's
+#   output too, `recording.Recording.output`);
+# - `WhisperModel.forward`: `encoder_outputs` given, a `BaseModelOutput`: the encoder does not run (nor
+#   `_mask_input_features`; the encoder's `attention_mask` is read only there); `encoder_outputs[0]` handed to the
+#   decoder as `encoder_hidden_states`;
+# - `WhisperDecoder.forward`: ids given (the embedding in piece 0); a cache given (no new cache). `cache_length =
+#   cache.get_seq_length()` (`EncoderDecoderCache.get_seq_length`: the self-attention cache's) is a host read of the
+#   length, baked into a recording: it feeds only the `position_ids is None` branch (never taken: every recording and
+#   replay is handed the positions, stock's `arange(n) + cache_length` repeated over the batch, filled from the same
+#   host length) and `embed_positions(ids, cache_length, position_ids=...)`, which reads it only without
+#   `position_ids`. So no output depends on the baked value. With `position_ids` the embedding is
+#   `self.weight[position_ids]` (an index in piece 0, from the positions buffer), of shape (batch, n, d) where stock's
+#   slice is (n, d): `inputs_embeds + positions` adds the same two values per element. `create_causal_mask` returns
+#   the 4D sentinel as it is (each replay's mask is the package's, from the step's, as for every family); the
+#   layerdrop branch runs only in training (eager); each layer gets `encoder_attention_mask=None`;
+# - `WhisperDecoderLayer.forward`: the self-attention, then the cross-attention block (`encoder_hidden_states is not
+#   None`: given at every step), the MLP (`ACT2FN[config.activation_function]`: GELU read here; another activation's
+#   class is not read with Whisper, and default-deny keeps it eager), dropouts with `training=self.training`;
+# - `WhisperAttention.forward`: q scaled before the attention (`scaling=1.0`); the self-attention reads the
+#   `EncoderDecoderCache`'s `is_updated` and updates its `self_attention_cache` (run eagerly at each replay); the
+#   cross-attention sets `is_updated[layer] = True` (already True: the step is eager otherwise) and, `is_updated`
+#   being True, takes `cross_attention_cache.layers[layer].keys/values` with no op and no update: each replay reads
+#   the step's own cache's (`recording.Recording.replay`), and the recording checks by identity that the attention got
+#   them, unchanged since the step began;
+# - `WhisperPositionalEmbedding.forward`: the `position_ids` branch. 5.23 changes annotations and the layerdrop
+#   condition (`and self.layerdrop > 0.0`); 5.24 renames the cache `cache` (and the embedding's
+#   `past_key_values_length` `cache_length`) and passes `kwargs=kwargs` to `cache.update`
+_WHISPER = ("whisper", "transformers.models.whisper.modeling_whisper", {
+    "WhisperAttention.forward": {"589f084030ea": "5.17.0-5.23.0", "80d8edd51b83": "5.24.0"},
+    "WhisperDecoderLayer.forward": {"b752b95ef76e": "5.17.0-5.22.2", "bfa5ebbc7e3a": "5.23.0",
+                                    "9ab638e44ec5": "5.24.0"},
+    "WhisperDecoder.forward": {"804a90056871": "5.17.0-5.22.2", "6caac02ae421": "5.23.0", "71c2affcde70": "5.24.0"},
+    "WhisperModel.forward": {"f82f710d0f84": "5.17.0-5.22.2", "38e44ce627f2": "5.23.0", "b41b120d4818": "5.24.0"},
+    "WhisperForConditionalGeneration.forward": {"866de4b20c23": "5.17.0-5.22.2", "d690fe14ca43": "5.23.0",
+                                                "4f5adcdebf83": "5.24.0"},
+    "WhisperPositionalEmbedding.forward": {"b0e6ffcd05a2": "5.17.0-5.23.0", "58edc088160a": "5.24.0"},
+    "transformers.activations:GELUActivation.forward": {"35866b531b89": "5.17.0-5.24.0"},
+    "transformers.cache_utils:EncoderDecoderCache.get_seq_length": {"5c12fd181ee0": "5.17.0-5.24.0"},
+})
+
 def _source(module: str, name: str) -> str:
     return name if ":" in name else f"{module}:{name}"  # a source outside the modeling module is named in full
 
@@ -227,7 +273,8 @@ def _family_row(family, module, sources, present="5.17-5.24") -> Shortcut:
     )
 
 
-PIECEWISE_SHORTCUTS = (*(_family_row(*row) for row in _FAMILIES), _family_row(*_OPT, present="5.18-5.24"))
+PIECEWISE_SHORTCUTS = (*(_family_row(*row) for row in _FAMILIES), _family_row(*_OPT, present="5.18-5.24"),
+                       _family_row(*_WHISPER))
 
 PIECEWISE_SHORTCUTS += (
     Shortcut(

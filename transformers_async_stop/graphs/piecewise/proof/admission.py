@@ -39,7 +39,7 @@ from ....release_checks.verified import matches, sources_of
 from ....state.call_state import compiling
 from ...backend import emulates
 from . import attention, default_deny, names
-from .family import FAMILIES, STATIC_ROPE, base_of, find
+from .family import FAMILIES, STATIC_ROPE, base_of, decoding_modules, find
 from .observed import why_global_hooks, why_not_tensors, why_observed
 
 PIECEWISE_ENV = "TRANSFORMERS_ASYNC_STOP_PIECEWISE"
@@ -64,14 +64,19 @@ def why_not_model(model, model_forward) -> str | None:
     why = _why_not_call(model, model_forward)
     if why is not None:
         return why
-    if getattr(model.config, "is_encoder_decoder", False):
-        # its decoder's cache is an `EncoderDecoderCache`, with a cross-attention call per layer that reads no update,
-        # and (BART) positions made from a host length: not recorded yet (docs/design/encoder-decoder-graphs.md)
-        return "the decoder of an encoder-decoder model (not graphed yet)"
     base = base_of(model)
+    if getattr(model.config, "is_encoder_decoder", False):
+        # its decoder's cache is an `EncoderDecoderCache`, with a cross-attention call per layer that reads no update:
+        # Whisper's decoder is read by hand (it takes `position_ids`); BART's positions are made from a host length
+        # and T5's position bias after the cache update: not recorded yet (docs/design/encoder-decoder-graphs.md)
+        read = FAMILIES.get(type(base).__name__) if base is not None else None
+        if read is None or read.cross_attention is None:
+            return "the decoder of an encoder-decoder model (not graphed yet)"
     family, why = find(model)
     if family is None:
         return why
+    if (family.cross_attention is not None) != bool(getattr(model.config, "is_encoder_decoder", False)):
+        return f"{type(model).__name__} without its encoder-decoder config"
     name, causal_lm = family.name, family.causal_lm
     module = sys.modules.get(family.module)
     if (module is None or type(base) is not getattr(module, type(base).__name__, None)
@@ -121,7 +126,8 @@ def why_not_model(model, model_forward) -> str | None:
     else:
         # default-deny: every module's class read and digested (or one of torch's own on the list), and the torch
         # functions the forward's code looks up torch's own (`default_deny.py`)
-        why = default_deny.why_unread(model, sources_of(f"piecewise forward ({name})"))
+        why = default_deny.why_unread(model, sources_of(f"piecewise forward ({name})"),
+                                      decoding_modules(model, family) if family.skipped else None)
     if why is not None:
         return why
     why = default_deny.why_foreign_functions(names.watched_functions(model, module))

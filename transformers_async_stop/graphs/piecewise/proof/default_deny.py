@@ -62,14 +62,18 @@ _TORCH_DIR = os.path.realpath(os.path.dirname(torch.__file__)) + os.sep
 _TRANSFORMERS_DIR = os.path.realpath(os.path.dirname(__import__("transformers").__file__)) + os.sep
 
 
-def why_unread(model, family_sources) -> str | None:
+def why_unread(model, family_sources, decoding=None) -> str | None:
     """The first module of `model` that is not proven (see the module docstring), as a reason; None: all are. The
     family's sources are named in `family_sources`; their digests are checked by the caller (`verified.matches`).
     `family_sources` None (a family found by `discover.py`): any `forward` / `__call__` of transformers' own
-    code, each proven by what a recording runs of it (`verdict.py`)."""
+    code, each proven by what a recording runs of it (`verdict.py`). `decoding`: the modules a decode step may run
+    (`family.decoding_modules`: an encoder-decoder's encoder left out), None: every module."""
     helpers = _helper_sources()
     verdicts: dict = {}
-    for name, module in model.named_modules():
+    kept = None if decoding is None else set(map(id, decoding))
+    for name, module in model.named_modules(remove_duplicate=False) if kept is not None else model.named_modules():
+        if kept is not None and id(module) not in kept:
+            continue
         cls = type(module)
         why = verdicts.get(cls, "")
         if why == "":

@@ -46,10 +46,23 @@ class Family:
     windows_by_layer_type: bool = False
     # found by `discover.py` and proven per recording (`verdict.py`), not read by hand
     auto: bool = False
+    # the config's count of the layers cut at (Whisper's `num_hidden_layers` is the encoder's: `decoder_layers`)
+    layer_count: str = "num_hidden_layers"
+    # an encoder-decoder's decoder: each layer's cross-attention module (Whisper's `encoder_attn`), called after its
+    # self-attention with the cross-attention cache's keys and values and no update: a second attention site per layer
+    # (`graphs._Recorder.cross_attention`); None: a decoder-only model
+    cross_attention: str | None = None
+    # the model's submodules (dotted paths from the model) no decode step runs (an encoder-decoder's encoder, which
+    # ran once before the decode steps): left out of default-deny's reading (`decoding_modules`)
+    skipped: tuple = ()
 
     def attentions(self, base, config) -> list:
         layers = operator.attrgetter(self.layers)(base)  # a dotted path for a nested decoder (OPT's `decoder.layers`)
-        return [getattr(layer, self.attention) for layer in layers[: config.num_hidden_layers]]
+        layers = layers[: getattr(config, self.layer_count)]
+        if self.cross_attention is None:
+            return [getattr(layer, self.attention) for layer in layers]
+        # in call order: each layer's self-attention, then its cross-attention
+        return [getattr(layer, name) for layer in layers for name in (self.attention, self.cross_attention)]
 
 
 # base model class -> its family
@@ -79,6 +92,18 @@ FAMILIES = {
     # replay is handed them (`forward.py` keeps a step without them eager, named)
     "OPTModel": Family("opt", "transformers.models.opt.modeling_opt", "OPTForCausalLM", layers="decoder.layers",
                        rotary=None, watched=("create_causal_mask", "ALL_ATTENTION_FUNCTIONS")),
+    # Whisper (WhisperForConditionalGeneration's decoder, 5.17+): a learned position table (`embed_positions`, indexed
+    # in piece 0 by the positions buffer: every recording and replay is handed `decoder_position_ids`, which stock's
+    # decoder computes from the cache's host length otherwise), two attention sites per layer (the self-attention's
+    # cache update, then the cross-attention over the cross-attention cache's keys and values, no update), an
+    # `EncoderDecoderCache` whose self-attention cache the recording intercepts. The encoder never runs in a decode step
+    # (`encoder_outputs` given): left out of default-deny. Its base forward reads the cache's length on the host,
+    # which reaches no output once `decoder_position_ids` is given (`targets/piecewise_rows.py`, "piecewise forward
+    # (whisper)"): read by hand, never proven per recording
+    "WhisperModel": Family("whisper", "transformers.models.whisper.modeling_whisper", "WhisperForConditionalGeneration",
+                           layers="decoder.layers", rotary=None,
+                           watched=("create_causal_mask", "ALL_ATTENTION_FUNCTIONS"), layer_count="decoder_layers",
+                           cross_attention="encoder_attn", skipped=("model.encoder",)),
     "Gemma3TextModel": Family("gemma3", "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM",
                               watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask"),
                               windows_by_layer_type=True),
@@ -101,6 +126,10 @@ def find(model):
     from the model (`discover.py`), proven per recording."""
     base = base_of(model)
     family = FAMILIES.get(type(base).__name__) if base is not None else None
+    if family is not None and family.cross_attention is not None:
+        # an encoder-decoder's decoder is read by hand only: a class no one read with it is refused by default-deny,
+        # named (`admission.py`)
+        return family, None
     if family is not None:
         # a hand-read family whose model runs a class no one read with it (an activation of another family, Llama
         # with `hidden_act="gelu"`), or whose sources drifted on a newer release, is proven per recording instead,
@@ -118,7 +147,7 @@ def _read_covers(model, family: Family) -> bool:
     name = f"piecewise forward ({family.name})"
     if not matches(name):
         return False
-    classes = frozenset(map(type, model.modules()))
+    classes = frozenset(map(type, decoding_modules(model, family)))
     key = (family.name, classes)
     covered = _COVERED.get(key)
     if covered is None:
@@ -126,3 +155,21 @@ def _read_covers(model, family: Family) -> bool:
             _COVERED.clear()
         covered = _COVERED[key] = default_deny.classes_read(classes, sources_of(name))
     return covered
+
+
+def decoding_modules(model, family: Family | None) -> list:
+    """The model's modules a decode step may run: all of them, but those reached only through the family's `skipped`
+    paths (an encoder-decoder's encoder). A module shared with the decoding part is kept (its other path runs it)."""
+    skipped = [model.get_submodule(path) for path in family.skipped] if family is not None and family.skipped else []
+    if not skipped:
+        return list(model.modules())
+    cut = set(map(id, skipped))
+    seen, order, stack = set(), [], [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen or id(module) in cut:
+            continue
+        seen.add(id(module))
+        order.append(module)
+        stack.extend(child for child in reversed(list(module._modules.values())) if child is not None)
+    return order
