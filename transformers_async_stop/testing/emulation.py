@@ -6,7 +6,7 @@ would never run it. Inside `with emulated():` it runs on CPU models too, through
 
 - a capture runs its piece's ops (a CPU has no deferred launch) and records each ATen op it dispatches, with the
   very tensors it read and wrote; the capture's execution is the piece's first replay, as a CUDA graph's capture is
-  followed by one (`piecewise/graphs._Recorder.end`);
+  followed by one (`piecewise/recorder._Recorder.end`);
 - a replay runs the recorded ops again on the recorded tensors' memory (a storage rebound since, `p.data = x`, is
   not seen, as a graph keeps reading the old address), without any of the model's Python: an in-place or
   `out=` op runs again in place, an op whose output aliases an input (a view) is skipped (its output already is a

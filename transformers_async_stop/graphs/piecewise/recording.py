@@ -15,6 +15,10 @@ from ...release_checks import cache_kwarg
 from . import additive_mask, masks
 from .masks import POSITIONS
 
+# an encoder-decoder's output fields that carry the encoder's outputs (`Seq2SeqLMOutput`) -> the `BaseModelOutput`'s
+ENCODER_FIELDS = {"encoder_last_hidden_state": "last_hidden_state", "encoder_hidden_states": "hidden_states",
+                  "encoder_attentions": "attentions"}
+
 
 class Recording:
     """The graphs and fixed buffers of one (model, batch, width, dtype, mask kind, ...) key."""
@@ -105,12 +109,10 @@ class Recording:
 
     def output(self, cache, fresh_logits=False, encoder_outputs=None):
         """The forward's output: the logits buffer (a copy of it with `fresh_logits`) and the cache; an
-        encoder-decoder's also the encoder's outputs it was handed (`graphs.ENCODER_FIELDS`), as stock's carries
+        encoder-decoder's also the encoder's outputs it was handed (`ENCODER_FIELDS`), as stock's carries
         them."""
         logits = self.logits.clone() if fresh_logits else self.logits
         if self.encoder_decoder:
-            from .graphs import ENCODER_FIELDS
-
             fields = {field: getattr(encoder_outputs, source) for field, source in ENCODER_FIELDS.items()}
             return self.output_type(logits=logits, **cache_kwarg.output_field(cache), **fields)
         return self.output_type(logits=logits, **cache_kwarg.output_field(cache))

@@ -141,7 +141,7 @@ def sliding_step(mask, cache, config, holds_sliding=True) -> str | None:
             return SLIDING_PADDED if holds_sliding else PADDED_2D
     if not holds_sliding:
         # a window in the config over full-attention layers only (Gemma 3 configured so): a layer that takes the
-        # sliding mask stops the recording (`graphs._Recorder.attention`)
+        # sliding mask stops the recording (`recorder._Recorder.attention`)
         return None
     window = getattr(config, "sliding_window", None)
     layer = cache.layers[cache.is_sliding.index(True)]

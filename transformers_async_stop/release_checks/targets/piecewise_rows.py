@@ -11,7 +11,7 @@ docstrings. 5.24.0 differs from 5.23.0 in:
   and the output dataclasses; `deprecate_kwarg` wrappers take the old name): read through `cache_kwarg.py`;
 - the attention forwards call `cache.update(k, v, layer_idx, kwargs=kwargs)`: `Cache.update` hands `kwargs` to
   `DynamicLayer.update`'s `**kwargs`, which ignores it (both unchanged), so the recording takes that call
-  (`graphs._plain_update`) and a replay's `update(cache, k, v, layer_idx)` is the same;
+  (`recorder._plain_update`) and a replay's `update(cache, k, v, layer_idx)` is the same;
 - the rotary embeddings' forward loses `@torch.no_grad()`: the path runs only with gradients disabled;
 - `_preprocess_mask_arguments` returns early for a `PagedAttentionCache` (never a `DynamicCache`), and
   `create_causal_mask` reorders its packed-sequence branch (only without a cache).

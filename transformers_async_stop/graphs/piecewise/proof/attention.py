@@ -27,7 +27,7 @@ shape that grows every step, so no piece can hold it. A recording runs it eagerl
 piece of its own holding the forward's fixed-shape ops between the update and that call (the query's concatenation);
 every replay calls the class's method, looked up then, on the keys and values the replay's update returned. The
 recorder checks the data flow by identity: the method gets exactly the update's results, and the attention exactly
-the method's (`graphs._Recorder.derive`).
+the method's (`recorder._Recorder.derive`).
 
 A recording replaces exactly the object that lookup finds (the registry entry, the module global or the class's
 method) with an interceptor for the length of the recording (`swapped`): a forward that looks its attention up another

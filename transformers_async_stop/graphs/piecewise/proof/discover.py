@@ -9,7 +9,7 @@ modeling module whose globals the forward looks up. For a family no one read, `f
 - each layer's attention: its one child module whose class name ends in `Attention` (of several, the self-attention:
   `self_attn`, `attn`...), under the same attribute in every layer.
 What it finds is checked again by the recording: each layer's attention must call the cache update and the attention
-function once, in order, with this module (`graphs._Recorder`); anything else is not recordable, named.
+function once, in order, with this module (`recorder._Recorder`); anything else is not recordable, named.
 """
 
 from __future__ import annotations

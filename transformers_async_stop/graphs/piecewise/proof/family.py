@@ -50,7 +50,7 @@ class Family:
     layer_count: str = "num_hidden_layers"
     # an encoder-decoder's decoder: each layer's cross-attention module (Whisper's `encoder_attn`), called after its
     # self-attention with the cross-attention cache's keys and values and no update: a second attention site per layer
-    # (`graphs._Recorder.cross_attention`); None: a decoder-only model
+    # (`recorder._Recorder.cross_attention`); None: a decoder-only model
     cross_attention: str | None = None
     # the model's submodules (dotted paths from the model) no decode step runs (an encoder-decoder's encoder, which
     # ran once before the decode steps): left out of default-deny's reading (`decoding_modules`)

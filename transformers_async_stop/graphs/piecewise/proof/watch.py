@@ -8,7 +8,7 @@ library's frames are not traced further), and, when asked, the ATen ops each pie
 arguments and the geometry of their tensors (`TorchDispatchMode`), so that two recordings at different positions can
 be compared (`proof.first_difference`), and any op dispatched between two pieces outside the code a replay runs again
 (`stray`). The cache update, the attention and a K-token forward's mask calls run again at every replay
-(`graphs._Recorder._eager`): while they run, and while the recorder does its own bookkeeping, the watch is paused.
+(`recorder._Recorder._eager`): while they run, and while the recorder does its own bookkeeping, the watch is paused.
 
 Recording-time only: a replay runs none of this. Where a trace function is already set (a debugger, coverage), the
 watch would displace it: the recording is not made (`why_busy`).
