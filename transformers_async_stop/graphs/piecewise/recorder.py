@@ -216,14 +216,20 @@ class _Recorder:
                 # own work, unseen by the run's watch: `additive_mask.py`)
                 additive = additive_mask.check(original, self._eager, module, query, keys, values, real_mask, kwargs,
                                                output)
-                buffer = torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
-                buffer.copy_(output)
-                if weights is not None:
-                    weights = torch.Tensor._make_subclass(_UnreadWeights, torch.empty(0, device="meta"))
-        self.rec.layers.append((layer_idx, query, k, v, recorded, buffer))
+        derived, self.derived = self.derived is True, None
+        return self._next_piece((layer_idx, query, k, v, recorded), output, weights, additive, derived)
+
+    def _next_piece(self, site, output, weights, additive: bool, derived: bool):
+        """An attention site recorded (`site`: its layer, query, k, v and recorded keywords): its output copied into
+        the buffer the next piece reads, the next piece begun; (the buffer, the weights' stand-in) for the forward."""
+        with self.backend.stream(self.main), self.quiet():
+            buffer = torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
+            buffer.copy_(output)
+            if weights is not None:
+                weights = torch.Tensor._make_subclass(_UnreadWeights, torch.empty(0, device="meta"))
+        self.rec.layers.append((*site, buffer))
         self.rec.additive.append(additive)
-        self.rec.derived.append(self.derived is True)
-        self.derived = None
+        self.rec.derived.append(derived)
         self.stream.wait_stream(self.main)
         self.begin()
         return buffer, weights
@@ -262,17 +268,7 @@ class _Recorder:
         self.end()
         with self.backend.stream(self.main):
             output, weights = self._eager(original, module, query, keys, values, None, **kwargs)
-            with self.quiet():
-                buffer = torch.empty_strided(output.shape, output.stride(), dtype=output.dtype, device=output.device)
-                buffer.copy_(output)
-                if weights is not None:
-                    weights = torch.Tensor._make_subclass(_UnreadWeights, torch.empty(0, device="meta"))
-        self.rec.layers.append((layer_idx, query, None, None, recorded, buffer))
-        self.rec.additive.append(False)
-        self.rec.derived.append(False)
-        self.stream.wait_stream(self.main)
-        self.begin()
-        return buffer, weights
+        return self._next_piece((layer_idx, query, None, None, recorded), output, weights, False, False)
 
     def mask(self, name, original, args, kwargs):
         """A mask function's call inside a K-token recording: its keywords recorded (markers for the step's mask,
