@@ -208,7 +208,6 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
             _ACTIVE.reset(token)
     recording.logits = outputs.logits
     recording.output_type = type(outputs)
-    recording.encoder_decoder = encoder_decoder
     recording.pool = recorder.pool
     recording.capture_seconds = time.perf_counter() - started
     return recording, outputs

@@ -50,7 +50,6 @@ class Recording:
         # an encoder-decoder's decoder (`graphs.record(encoder_decoder=True)`): per attention site, whether it is a
         # cross-attention (its keys and values the cross-attention cache's, no update); None: a decoder-only model
         self.cross = None
-        self.encoder_decoder = False
 
     def replay(self, cache, input_ids, position_ids, mask, attention_fn, modules, fresh_logits=False,
                encoder_outputs=None):
@@ -68,7 +67,7 @@ class Recording:
             self.positions.copy_(position_ids)
         cross = self.cross
         outer = cache
-        if self.encoder_decoder:
+        if cross is not None:
             # the self-attention cache is the one updated; each cross-attention reads the step's own cache's layer
             cross_layers, cache = cache.cross_attention_cache.layers, cache.self_attention_cache
         graphs = self.graphs
@@ -83,10 +82,10 @@ class Recording:
         derive = getattr(type(modules[0]), self.derive) if self.derive is not None else None
         piece = 1
         for i, (layer_idx, q, k, v, kwargs, out) in enumerate(self.layers):
+            if POSITIONS in kwargs.values():
+                kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
             if cross is not None and cross[i]:
                 layer = cross_layers[layer_idx]
-                if POSITIONS in kwargs.values():
-                    kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
                 out.copy_(attention_fn(modules[i], q, layer.keys, layer.values, None, **kwargs)[0])
                 graphs[piece].replay()
                 piece += 1
@@ -96,8 +95,6 @@ class Recording:
                 graphs[piece].replay()
                 piece += 1
                 keys, values = derive(modules[i], keys, values)
-            if POSITIONS in kwargs.values():
-                kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
             layer_mask = mask if made is None else made[self.mask_of_layer[i]]
             if converted is not None and self.additive[i]:
                 layer_mask = converted.get(layer_mask, q.dtype)
@@ -112,7 +109,7 @@ class Recording:
         encoder-decoder's also the encoder's outputs it was handed (`ENCODER_FIELDS`), as stock's carries
         them."""
         logits = self.logits.clone() if fresh_logits else self.logits
-        if self.encoder_decoder:
+        if self.cross is not None:  # an encoder-decoder's decoder
             fields = {field: getattr(encoder_outputs, source) for field, source in ENCODER_FIELDS.items()}
             return self.output_type(logits=logits, **cache_kwarg.output_field(cache), **fields)
         return self.output_type(logits=logits, **cache_kwarg.output_field(cache))

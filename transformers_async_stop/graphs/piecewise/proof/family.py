@@ -171,5 +171,5 @@ def decoding_modules(model, family: Family | None) -> list:
             continue
         seen.add(id(module))
         order.append(module)
-        stack.extend(child for child in reversed(list(module._modules.values())) if child is not None)
+        stack.extend(reversed(list(module.children())))
     return order
