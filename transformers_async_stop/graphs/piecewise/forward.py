@@ -146,7 +146,8 @@ class PiecewiseForward(StepInputs):
                 return self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["decoder_input_ids"],
                                                        self.step_length, mask,
                                                        proof.handover.attention_function(self.modules, self.impl),
-                                                       self.modules, encoder_outputs=inputs["encoder_outputs"]))
+                                                       self.modules, encoder_outputs=inputs["encoder_outputs"],
+                                                       encoder_mask=inputs.get("attention_mask")))
             return self._replayed(recording.replay(cache_kwarg.get(inputs), inputs["input_ids"],
                                                    inputs["position_ids"], mask,
                                                    proof.handover.attention_function(self.modules, self.impl),
@@ -183,12 +184,18 @@ class PiecewiseForward(StepInputs):
             return self._eager(self._failed(key, f"not proven: {why}"), inputs)
         forward_inputs = {name: value for name, value in inputs.items() if name != "return_dict"}
         forward_inputs["return_dict"] = True
+        positions = position_table = cross_mask_module = None
         if self.encoder_decoder:
-            # stock's decoder makes these itself from the same host length (`arange(n) + cache_length`, repeated over
-            # the batch); handed to it, the length it reads reaches no output (`targets/piecewise_rows.py`, whisper)
+            # stock's decoder makes these itself from the same host length (`arange(n) + cache_length`); handed to it
+            # (Whisper's, repeated over the batch), or to its position table's call (BART's, whose forward takes
+            # none), the length it reads reaches no output (`targets/piecewise_rows.py`, whisper, bart)
             ids = inputs["decoder_input_ids"]
             positions = torch.arange(ids.shape[1], device=ids.device) + self.step_length
-            forward_inputs["decoder_position_ids"] = positions.unsqueeze(0).repeat(ids.shape[0], 1)
+            if self.family.position_table is None:
+                forward_inputs["decoder_position_ids"] = positions.unsqueeze(0).repeat(ids.shape[0], 1)
+            else:
+                position_table = self.model.get_submodule(self.family.position_table)
+            cross_mask_module = sys.modules[self.family.module]
         # K tokens, one with sliding-window layers or another implementation than SDPA (key[5]): the module's mask
         # calls are recorded (`masks.py`)
         mask_module = sys.modules[self.family.module] if key[1] > 1 or type(key[5]) is tuple else None
@@ -203,7 +210,8 @@ class PiecewiseForward(StepInputs):
             made = record(self.model, self.eager, forward_inputs, cache_kwarg.get(inputs), self.modules, mask,
                           self.impl, pool, mask_module, watch=watch,
                           host_masks=type(key[5]) is tuple and key[5][0] == "sliding",
-                          encoder_decoder=self.encoder_decoder)
+                          encoder_decoder=self.encoder_decoder, positions=positions, position_table=position_table,
+                          cross_mask_module=cross_mask_module)
         except NotRecordable as error:
             graphs.sizes = list(map(len, graphs.dicts))  # what transformers' forward set on its modules meanwhile
             return self._eager(self._failed(key, f"not recordable: {error}"), inputs)

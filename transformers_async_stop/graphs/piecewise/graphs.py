@@ -19,7 +19,12 @@ layer: the self-attention, cut as above at the update of the call's `EncoderDeco
 (the interception goes on that inner object), and the cross-attention, whose keys and values are, by identity, the
 cross-attention cache layer's tensors as the step began (no op, no update: its `is_updated` branch). At that call the
 piece ends, the attention runs eagerly (its output copied into a buffer) and the next piece begins; each replay hands
-it the cross-attention cache's tensors of the step's own cache, never an address the recording saw.
+it the cross-attention cache's tensors of the step's own cache, never an address the recording saw. A decoder that
+makes its cross-attention mask (`create_bidirectional_mask` of the encoder's mask: BART's) has that call recorded
+(its keywords kept with markers for the step's encoder mask and states, a sentinel returned that each cross-attention
+must get) and made again by every replay with the step's own, by stock's function. A decoder that takes no
+`position_ids` (BART's: it makes them from the cache's host length) has its position table's call handed the
+positions buffer (`family.Family.position_table`), which every replay fills from that length.
 So piece 0 is embedding + rotary + layer 0's norm, q/k/v projections and rotary; piece i (1..L-1) is layer i-1's
 o_proj, residual, post-attention norm, MLP and residual, and layer i's norm, projections and rotary; piece L ends
 with the final norm and the LM head. The kernels are the eager ones (a CUDA graph replays the launches it captured).
@@ -103,6 +108,42 @@ _intercept = _intercepting("attention")
 _intercept_derivation = _intercepting("derive")
 
 
+def _intercept_positions(original):
+    """The position table class's `forward` for a recording (`family.Family.position_table`): the recording's table
+    gets the positions buffer (`_Recorder.positions`), any other call the original."""
+    def forward(*args, **kwargs):
+        recorder = _ACTIVE.get()
+        if recorder is None or not args or args[0] is not recorder.position_table:
+            return original(*args, **kwargs)
+        return recorder.positions(original, args, kwargs)
+
+    forward._tas_piecewise_original = original
+    return forward
+
+
+def _intercept_cross_mask(original):
+    """The modeling module's `create_bidirectional_mask` for an encoder-decoder's recording: its call goes to the
+    recorder (`_Recorder.cross_mask`), another thread's to the original."""
+    def create_bidirectional_mask(*args, **kwargs):
+        recorder = _ACTIVE.get()
+        if recorder is None or recorder.cross_sentinel is None:
+            return original(*args, **kwargs)
+        return recorder.cross_mask(original, args, kwargs)
+
+    create_bidirectional_mask._tas_piecewise_original = original
+    return create_bidirectional_mask
+
+
+def _encoder_decoder_swaps(stack: contextlib.ExitStack, position_table, cross_mask_module) -> None:
+    """The position table class's `forward` and the modeling module's cross-attention mask function replaced by their
+    interceptors for the recording (`stack` restores them whatever happens)."""
+    if position_table is not None:
+        stack.enter_context(sites.swapped_attribute(type(position_table), "forward", _intercept_positions))
+    if cross_mask_module is not None and masks.CROSS_MASK_FUNCTION in vars(cross_mask_module):
+        stack.enter_context(sites.swapped_attribute(cross_mask_module, masks.CROSS_MASK_FUNCTION,
+                                                    _intercept_cross_mask))
+
+
 def _swapped_attention(impl: str):
     """transformers' registry entry `impl` replaced by the interceptor for the recording; restored whatever happens
     (the registry case of `attention.swapped`)."""
@@ -113,7 +154,8 @@ def _swapped_attention(impl: str):
 
 
 def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: str, pool, mask_module=None,
-           watch=None, host_masks=False, encoder_decoder=False):
+           watch=None, host_masks=False, encoder_decoder=False, positions=None, position_table=None,
+           cross_mask_module=None):
     """Record the forward for `inputs`; (Recording, this step's outputs). Raises `NotRecordable` or
     `CaptureFailed` (nothing of this step done: the cache is as it was; `capture_failure`), or what the forward
     raised otherwise; returns None when another thread is inside
@@ -129,7 +171,10 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     executed, for `proof.verdict` to judge after it. `encoder_decoder`: the decoder of an encoder-decoder model
     (`modules` in call order, each layer's self-attention then its cross-attention), `cache` its `EncoderDecoderCache`
     (the update intercepted on its `self_attention_cache`), the step's inputs under the decoder's names and its
-    `encoder_outputs` given; one-token steps whose attention gets the mask known on the host only."""
+    `encoder_outputs` given; one-token steps whose attention gets the mask known on the host only. Its
+    `cross_mask_module`: the modeling module whose `create_bidirectional_mask` call (the cross-attention mask) is
+    recorded and made again at each replay. `positions`, `position_table`: a decoder that takes no positions (BART's)
+    gets the positions buffer (made from `positions`: stock's own values) through its position table's call."""
     import time
 
     cut, why = sites.cut_of(type(modules[0]))
@@ -144,11 +189,15 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     # which a step after a mid-call change gets) carries the sequence's length as its row stride, which `clone` keeps,
     # and a confirming recording at another position would then see another geometry at the embedding's op and never
     # be confirmed (red team of 2026-11-29, latent attention: observation 1)
+    if positions is None:
+        positions = inputs[positions_key]
     recording = Recording(inputs[ids_key].clone(memory_format=torch.contiguous_format),
-                          inputs[positions_key].clone(memory_format=torch.contiguous_format),
+                          positions.clone(memory_format=torch.contiguous_format),
                           torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device))
     kwargs = dict(inputs)
-    kwargs.update({ids_key: recording.ids, positions_key: recording.positions, mask_key: recording.sentinel})
+    kwargs.update({ids_key: recording.ids, mask_key: recording.sentinel})
+    if position_table is None:
+        kwargs[positions_key] = recording.positions
     # the cache whose update is intercepted: an encoder-decoder's self-attention cache
     updated = cache.self_attention_cache if encoder_decoder else cache
     started = time.perf_counter()
@@ -170,6 +219,11 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
             recorder.site_layers = [index // 2 for index in range(len(modules))]
             recorder.cross_cache = cache.cross_attention_cache
             recorder.cross_held = [(layer.keys, layer.values) for layer in cache.cross_attention_cache.layers]
+            recorder.encoder_mask = inputs.get("attention_mask")
+            recorder.encoder_states = inputs["encoder_outputs"].last_hidden_state
+            recorder.cross_sentinel = torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device)
+            recorder.cross_mask_module = cross_mask_module
+            recorder.position_table = position_table
         recorder.config = model.config  # the config a mask call answered on the host must have been given
         recorder.watch = watch
         recorder.derives = cut.derive is not None
@@ -183,12 +237,16 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         updated.update = recorder.update  # the call's own cache object, for this forward only
         try:
             with sites.swapped(cut, impl, type(modules[0]), _intercept), masks.swapped(mask_module, _ACTIVE), \
-                    sites.swapped_derivation(cut, type(modules[0]), _intercept_derivation), backend.stream(stream), \
+                    sites.swapped_derivation(cut, type(modules[0]), _intercept_derivation), \
+                    contextlib.ExitStack() as swaps, backend.stream(stream), \
                     (watch if watch is not None else contextlib.nullcontext()):
+                _encoder_decoder_swaps(swaps, position_table, cross_mask_module)
                 recorder.begin()
                 outputs = model_forward(**kwargs)
                 if len(recording.layers) != len(modules) or recorder.pending is not None:
                     raise NotRecordable("the forward did not run every layer's attention once")
+                if position_table is not None and not recorder.positioned:
+                    raise NotRecordable("the decoder's position table was not handed the positions")
                 _check_outputs(outputs, cache, inputs.get("encoder_outputs") if encoder_decoder else None)
                 recorder.end()
         except BaseException as error:

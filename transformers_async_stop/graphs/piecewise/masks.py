@@ -71,6 +71,41 @@ def recorded_kwargs(kwargs: dict, sentinel, cache, positions) -> tuple[dict | No
     return recorded, None
 
 
+ENCODER_MASK = Marker("the step's encoder attention mask")
+ENCODER_STATES = Marker("the step's encoder hidden states")
+CROSS_MASK_FUNCTION = "create_bidirectional_mask"  # an encoder-decoder's decoder makes its cross-attention mask so
+
+
+def recorded_cross_kwargs(kwargs: dict, encoder_mask, encoder_states) -> tuple[dict | None, str | None]:
+    """A decoder's cross-attention mask call's keywords as a recording keeps them (markers for the step's encoder
+    mask, which it must be handed as `attention_mask`, None or not, and its encoder states), or (None, why not)."""
+    from transformers.configuration_utils import PretrainedConfig
+
+    recorded = {}
+    for key, value in kwargs.items():
+        if key == "attention_mask" and value is encoder_mask:
+            recorded[key] = ENCODER_MASK
+        elif key == "encoder_hidden_states" and value is encoder_states:
+            recorded[key] = ENCODER_STATES
+        elif key in EMBEDDINGS and isinstance(value, torch.Tensor):
+            recorded[key] = value  # piece 0's output: a fixed buffer (its shape, dtype and device are read)
+        elif key not in ("attention_mask", "encoder_hidden_states") and (
+                isinstance(value, SCALARS) or isinstance(value, PretrainedConfig)):
+            recorded[key] = value  # the config: the decoder's own object (a replaced one is a stale recording)
+        else:
+            return None, f"{key!r} is not the step's own"
+    if recorded.get("attention_mask") is not ENCODER_MASK or recorded.get("encoder_hidden_states") is not ENCODER_STATES:
+        return None, "not handed the step's encoder mask and states"
+    return recorded, None
+
+
+def cross_mask_call(function, recorded: dict, encoder_mask, encoder_states):
+    """`function` (the modeling module's `create_bidirectional_mask`) called with a recorded call's keywords, the
+    markers replaced by this step's encoder mask and states: stock's cross-attention mask for the step."""
+    return function(**{key: (encoder_mask if value is ENCODER_MASK else encoder_states if value is ENCODER_STATES
+                             else value) for key, value in recorded.items()})
+
+
 def _intercept(name, original, active):
     def mask_function(*args, **kwargs):
         recorder = active.get()

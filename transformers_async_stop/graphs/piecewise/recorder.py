@@ -91,6 +91,17 @@ class _Recorder:
         self.cross_sites = None
         self.cross_cache = None
         self.cross_held = None
+        # the decoder's cross-attention mask call (`cross_mask`): the step's encoder mask and states it must be handed,
+        # the sentinel it returns, the function itself, and stock's mask for the step (made at the first
+        # cross-attention, outside the capture: its SDPA skip check reads the device)
+        self.encoder_mask = self.encoder_states = None
+        self.cross_sentinel = None
+        self.cross_mask_module = None  # the modeling module whose function it is (looked up there at each replay)
+        self.cross_mask_function = None
+        self.cross_mask_made = None
+        # the family's position table (`family.Family.position_table`) and whether its call was handed the positions
+        self.position_table = None
+        self.positioned = False
 
     def expected_module(self):
         index = len(self.rec.layers)
@@ -262,13 +273,44 @@ class _Recorder:
         if (held is None or keys is not held[0] or values is not held[1] or layer.keys is not keys
                 or layer.values is not values):
             raise NotRecordable("the cross-attention's keys/values are not the cross-attention cache's")
-        if mask is not None:
-            raise NotRecordable("a cross-attention mask")
+        if mask is not (self.cross_sentinel if self.cross_mask_function is not None else None):
+            raise NotRecordable("the cross-attention's mask is not the forward's")
         recorded = self._recorded_kwargs(kwargs)
         self.end()
         with self.backend.stream(self.main):
-            output, weights = self._eager(original, module, query, keys, values, None, **kwargs)
+            if self.cross_mask_function is not None and self.cross_mask_made is None:
+                # stock's mask for this step, as each replay makes it (`Recording.replay`)
+                self.cross_mask_made = [self._eager(masks.cross_mask_call, self.cross_mask_function,
+                                                    self.rec.cross_mask[1], self.encoder_mask, self.encoder_states)]
+            mask = self.cross_mask_made[0] if self.cross_mask_made is not None else None
+            output, weights = self._eager(original, module, query, keys, values, mask, **kwargs)
         return self._next_piece((layer_idx, query, None, None, recorded), output, weights, False, False)
+
+    def cross_mask(self, original, args, kwargs):
+        """The decoder's cross-attention mask call (`create_bidirectional_mask` of the encoder's mask), in piece 0:
+        its keywords recorded (markers for the step's encoder mask and encoder states, which it must have been handed),
+        a sentinel returned, which every cross-attention must get. Each replay calls the modeling module's function
+        again with the step's own (`Recording.replay`): stock's mask, from stock's code, at every step."""
+        if args or self.graph is None or self.rec.layers or self.pending is not None or self.rec.cross_mask:
+            raise NotRecordable("a cross-attention mask call the recording did not expect")
+        recorded, why = masks.recorded_cross_kwargs(kwargs, self.encoder_mask, self.encoder_states)
+        if recorded is None:
+            raise NotRecordable(f"a cross-attention mask call the recording cannot make again: {why}")
+        self.rec.cross_mask = (self.cross_mask_module, recorded)
+        self.cross_mask_function = original
+        return self.cross_sentinel
+
+    def positions(self, original, args, kwargs):
+        """The position table's call (`family.Family.position_table`), in piece 0: handed the positions buffer as its
+        `position_ids` in place of the ones the decoder made from the cache's host length (stock's `arange(n) + cache
+        length`, the values each replay fills the buffer with, from that very length: `forward._record`), once."""
+        made, positions = kwargs.get("position_ids"), self.rec.positions
+        if (self.graph is None or self.rec.layers or self.pending is not None or self.positioned
+                or not isinstance(made, torch.Tensor) or made.shape != positions.shape
+                or made.dtype != positions.dtype or made.device != positions.device):
+            raise NotRecordable("a position table call the recording did not expect")
+        self.positioned = True
+        return original(*args, **{**kwargs, "position_ids": positions})
 
     def mask(self, name, original, args, kwargs):
         """A mask function's call inside a K-token recording: its keywords recorded (markers for the step's mask,

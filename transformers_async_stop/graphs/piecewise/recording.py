@@ -50,15 +50,19 @@ class Recording:
         # an encoder-decoder's decoder (`graphs.record(encoder_decoder=True)`): per attention site, whether it is a
         # cross-attention (its keys and values the cross-attention cache's, no update); None: a decoder-only model
         self.cross = None
+        # its cross-attention mask call (`recorder._Recorder.cross_mask`): (the modeling module, the call's keywords
+        # with markers), made again at each replay; None: the cross-attentions get None (Whisper's decoder)
+        self.cross_mask = None
 
     def replay(self, cache, input_ids, position_ids, mask, attention_fn, modules, fresh_logits=False,
-               encoder_outputs=None):
+               encoder_outputs=None, encoder_mask=None):
         """This step's forward. `mask`: the attention's mask for a one-token forward, the step's own (2D or None)
         mask for a K-token one. `fresh_logits`: return a copy of the logits buffer (a caller that keeps them past
         the next replay: the verify forward, whose fp32 logits stock's loop writes into and returns as scores).
         An encoder-decoder's: `cache` its `EncoderDecoderCache`, `position_ids` the host length every position of the
         step's (one-token) positions holds (stock's `arange(1) + cache_length`, repeated over the batch), and
-        `encoder_outputs` the step's, carried by the output as stock's carries them."""
+        `encoder_outputs` the step's, carried by the output as stock's carries them, and `encoder_mask` the step's
+        encoder `attention_mask`, from which the cross-attention mask is made as stock's decoder makes it."""
         self.uses += 1
         self.ids.copy_(input_ids)
         if type(position_ids) is int:
@@ -72,6 +76,12 @@ class Recording:
             cross_layers, cache = cache.cross_attention_cache.layers, cache.self_attention_cache
         graphs = self.graphs
         graphs[0].replay()
+        cross_mask = None
+        if self.cross_mask is not None:
+            # where stock's decoder makes it: before the first layer, with the step's encoder mask and states
+            module, recorded = self.cross_mask
+            cross_mask = masks.cross_mask_call(getattr(module, masks.CROSS_MASK_FUNCTION), recorded, encoder_mask,
+                                               encoder_outputs.last_hidden_state)
         made = ((self._host_masks(cache, mask) if self.host_masks else self._masks(cache, mask)) if self.mask_calls
                 else None)
         update = type(cache).update
@@ -86,7 +96,7 @@ class Recording:
                 kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
             if cross is not None and cross[i]:
                 layer = cross_layers[layer_idx]
-                out.copy_(attention_fn(modules[i], q, layer.keys, layer.values, None, **kwargs)[0])
+                out.copy_(attention_fn(modules[i], q, layer.keys, layer.values, cross_mask, **kwargs)[0])
                 graphs[piece].replay()
                 piece += 1
                 continue

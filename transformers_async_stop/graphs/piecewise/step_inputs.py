@@ -13,10 +13,11 @@ from .proof.observed import why_not_cache
 
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
-# an encoder-decoder's decoder step (Whisper's): the decoder's ids (its positions are the piecewise forward's, stock's
-# own values: `_encoder_decoder_step`), its mask where None, the encoder's outputs, the cache
+# an encoder-decoder's decoder step (Whisper's, BART's): the decoder's ids (its positions are the piecewise forward's,
+# stock's own values: `_encoder_decoder_step`), its mask where None, the encoder's outputs and `attention_mask` (from
+# which each replay makes the cross-attention mask as stock's decoder makes it: `recording.Recording.replay`), the cache
 _ENCODER_DECODER_INPUTS = frozenset(("decoder_input_ids", "decoder_attention_mask", "encoder_outputs", "use_cache",
-                                     "return_dict"))
+                                     "return_dict", "attention_mask"))
 
 
 class StepInputs:

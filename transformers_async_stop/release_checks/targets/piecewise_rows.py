@@ -17,6 +17,7 @@ docstrings. 5.24.0 differs from 5.23.0 in:
   `create_causal_mask` reorders its packed-sequence branch (only without a cache).
 """
 
+from .bart_piecewise_rows import BART_ROWS
 from .shortcuts import Shortcut
 
 _COMMON = {
@@ -274,7 +275,7 @@ def _family_row(family, module, sources, present="5.17-5.24") -> Shortcut:
 
 
 PIECEWISE_SHORTCUTS = (*(_family_row(*row) for row in _FAMILIES), _family_row(*_OPT, present="5.18-5.24"),
-                       _family_row(*_WHISPER))
+                       _family_row(*_WHISPER), *(_family_row(*row) for row in BART_ROWS))
 
 PIECEWISE_SHORTCUTS += (
     Shortcut(

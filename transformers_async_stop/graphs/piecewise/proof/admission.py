@@ -67,8 +67,8 @@ def why_not_model(model, model_forward) -> str | None:
     base = base_of(model)
     if getattr(model.config, "is_encoder_decoder", False):
         # its decoder's cache is an `EncoderDecoderCache`, with a cross-attention call per layer that reads no update:
-        # Whisper's decoder is read by hand (it takes `position_ids`); BART's positions are made from a host length
-        # and T5's position bias after the cache update: not recorded yet (docs/design/encoder-decoder-graphs.md)
+        # Whisper's, BART's and its copies' decoders are read by hand (`family.FAMILIES`); T5's position bias, made
+        # after the cache update, is not recorded yet (docs/design/encoder-decoder-graphs.md)
         read = FAMILIES.get(type(base).__name__) if base is not None else None
         if read is None or read.cross_attention is None:
             return "the decoder of an encoder-decoder model (not graphed yet)"

@@ -193,7 +193,7 @@ def swapped(cut: Cut, impl, cls, intercept):
     class's method) replaced by `intercept(original)` for a recording; restored whatever happens. A registration or
     rebinding by another thread meanwhile stays (red team hole 3): only the interceptor is undone."""
     if cut.kind == METHOD:
-        with _swapped_attribute(cls, cut.name, intercept):
+        with swapped_attribute(cls, cut.name, intercept):
             yield
         return
     module = sys.modules[cut.module]
@@ -202,7 +202,7 @@ def swapped(cut: Cut, impl, cls, intercept):
         with swapped_entry(registry, impl, intercept):
             yield
     else:  # the lookup returns its default, the module's eager function
-        with _swapped_attribute(module, cut.name, intercept):
+        with swapped_attribute(module, cut.name, intercept):
             yield
 
 
@@ -213,7 +213,7 @@ def swapped_derivation(cut: Cut, cls, intercept):
     if cut.derive is None:
         yield
         return
-    with _swapped_attribute(cls, cut.derive, intercept):
+    with swapped_attribute(cls, cut.derive, intercept):
         yield
 
 
@@ -235,7 +235,9 @@ def swapped_entry(registry, impl: str, intercept):
 
 
 @contextlib.contextmanager
-def _swapped_attribute(owner, name: str, intercept):
+def swapped_attribute(owner, name: str, intercept):
+    """`owner.name` replaced by `intercept(original)` for a recording; restored whatever happens (another thread's
+    rebinding meanwhile stays: only the interceptor is undone)."""
     had, before = name in vars(owner), vars(owner).get(name)
     mine = intercept(getattr(owner, name))
     setattr(owner, name, mine)

@@ -26,6 +26,8 @@ from .discover import family_for
 
 # the modeling module's functions a replay skips, watched for rebinding (those a module does not have are left out)
 _WATCHED_GLOBALS = ("apply_rotary_pos_emb", "rotate_half", "create_causal_mask", "ALL_ATTENTION_FUNCTIONS")
+# an encoder-decoder's decoder's: its cross-attention mask is made by the module's `create_bidirectional_mask`
+_ENCODER_DECODER_WATCHED = ("create_causal_mask", "create_bidirectional_mask", "ALL_ATTENTION_FUNCTIONS")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,11 @@ class Family:
     # the model's submodules (dotted paths from the model) no decode step runs (an encoder-decoder's encoder, which
     # ran once before the decode steps): left out of default-deny's reading (`decoding_modules`)
     skipped: tuple = ()
+    # the module (a dotted path from the model) whose call gets the positions the decoder makes itself from the
+    # cache's host length (BART's `decoder.embed_positions(ids, cache_length, position_ids=...)`: its forward takes no
+    # `position_ids`): a recording hands that call the positions buffer as its `position_ids` instead
+    # (`recorder._Recorder.positions`), so the baked length reaches no output; None: the forward takes `position_ids`
+    position_table: str | None = None
 
     def attentions(self, base, config) -> list:
         layers = operator.attrgetter(self.layers)(base)  # a dotted path for a nested decoder (OPT's `decoder.layers`)
@@ -104,6 +111,21 @@ FAMILIES = {
                            layers="decoder.layers", rotary=None,
                            watched=("create_causal_mask", "ALL_ATTENTION_FUNCTIONS"), layer_count="decoder_layers",
                            cross_attention="encoder_attn", skipped=("model.encoder",)),
+    # BART and its modular copies (5.17+; their conditional-generation classes' decoders): a decoder nested in the
+    # base model, learned (BART, mBART: an offset of 2) or sinusoidal (Marian, Pegasus) position tables, two attention
+    # sites per layer as Whisper's, the same `EncoderDecoderCache` interception. Their decoders take no
+    # `position_ids`: they make them from the cache's host length and hand them to `embed_positions(...,
+    # position_ids=...)`, whose `position_ids` branch is device ops only; the recording hands that call the positions
+    # buffer (`position_table`). The cross-attention's mask is `create_bidirectional_mask` of the encoder's
+    # `attention_mask`, made again at every replay by stock's function (`recorder._Recorder.cross_mask`). Read by hand
+    # (`targets/piecewise_rows.py`, "piecewise forward (bart)" and the others)
+    **{f"{prefix}Model": Family(name, f"transformers.models.{name}.modeling_{name}", generation_class,
+                                layers="decoder.layers", rotary=None, watched=_ENCODER_DECODER_WATCHED,
+                                layer_count="decoder_layers", cross_attention="encoder_attn", skipped=("model.encoder",),
+                                position_table="model.decoder.embed_positions")
+       for name, prefix, generation_class in (
+           ("bart", "Bart", "BartForConditionalGeneration"), ("mbart", "MBart", "MBartForConditionalGeneration"),
+           ("marian", "Marian", "MarianMTModel"), ("pegasus", "Pegasus", "PegasusForConditionalGeneration"))},
     "Gemma3TextModel": Family("gemma3", "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM",
                               watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask"),
                               windows_by_layer_type=True),
