@@ -375,5 +375,28 @@ class BartFamilies(unittest.TestCase):
         self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
 
 
+class BartBenchCase(unittest.TestCase):
+    def test_the_bart_case_is_opt_in_bart_base_shaped_and_runs_tiny_on_cpu_equal_to_stock(self):
+        from test_bench import run_bench
+        from transformers_async_stop.bench import catalog
+
+        builtin = catalog.builtin_cases()
+        from transformers_async_stop.bench.encoder_decoder_cases import bart_config
+
+        self.assertTrue(builtin["bart-base"].opt_in)
+        base = bart_config()  # what CUDA builds (not built here: 140M parameters)
+        self.assertEqual((base.d_model, base.encoder_layers, base.decoder_layers, base.vocab_size,
+                          base.max_position_embeddings), (768, 6, 6, 50265, 1024))
+        code, result, _, _ = run_bench(["--cases", "bart-base", "--variants", "stock,async", "--reps", "1",
+                                        "--new-tokens", "6"], builtin)
+        self.assertEqual(code, 0)
+        (run,) = [r for r in result["runs"] if r["case"] == "bart-base"]
+        self.assertEqual(run["label"], "bart-base eager b1")
+        self.assertIsNone(run["error"])
+        self.assertIs(run["variants"]["async"]["exact"], True)
+        if TAKEN:
+            self.assertIn("dynamic loop", run["variants"]["async"]["path"])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -1,4 +1,5 @@
-"""An encoder-decoder case: `whisper-small`, a Whisper-small-shaped speech model (opt-in: `--cases whisper-small`).
+"""The encoder-decoder cases (opt-in): `whisper-small`, a Whisper-small-shaped speech model, and `bart-base`, a
+BART-base-shaped summariser.
 
 Whisper-small's shape (12 encoder and 12 decoder layers, width 768, 12 heads, 80 mel bins, 30 s of audio: 3000
 frames, a 51865-token vocabulary), bf16 on CUDA, random weights from a config (no download), transcribing one clip
@@ -11,7 +12,8 @@ same kind (the LoRA case does the same), so that the case runs there too and is 
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalGeneration
+from transformers import (BartConfig, BartForConditionalGeneration, GenerationConfig, WhisperConfig,
+                          WhisperForConditionalGeneration)
 
 from .cases import Case
 
@@ -64,6 +66,32 @@ def whisper_inputs(run, model, device: torch.device) -> dict:
     return {"input_features": features.to(device=device, dtype=model.dtype)}
 
 
+# BART-base's shape (6 encoder and 6 decoder layers, width 768, 12 heads, a 50265-token vocabulary, 1024 positions);
+# the CPU's stand-in: two layers each, width 64
+_BART_BASE = dict(d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12,
+                  decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072)
+_BART_TINY = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+                  encoder_ffn_dim=128, decoder_ffn_dim=128)
+
+
+def bart_config(tiny: bool = False) -> BartConfig:
+    return BartConfig(vocab_size=50265, max_position_embeddings=1024, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                      decoder_start_token_id=2, forced_bos_token_id=None, forced_eos_token_id=None,
+                      **(_BART_TINY if tiny else _BART_BASE))
+
+
+def build_bart(device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """BART-base-shaped on CUDA (random weights from a config), the tiny BART elsewhere. Its encoder gets the prompt
+    of token ids and the tokenizer's mask of ones (`cases.make_inputs`), as a summarisation call does: the decoder
+    makes its cross-attention mask from that mask at every step."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = BartForConditionalGeneration(bart_config(tiny=device.type != "cuda")).to(dtype)
+    model.generation_config = GenerationConfig(decoder_start_token_id=2, eos_token_id=2, pad_token_id=1,
+                                               bos_token_id=0)
+    return model.eval()
+
+
 def encoder_decoder_cases() -> dict[str, Case]:
     return {
         "whisper-small": Case(
@@ -71,4 +99,8 @@ def encoder_decoder_cases() -> dict[str, Case]:
             opt_in=True, inputs=whisper_inputs,
             about="a Whisper-small-shaped speech model (12+12 layers, width 768), bf16, transcribing one 30 s clip, "
                   "greedy b1, EncoderDecoderCache (tiny on CPU)"),
+        "bart-base": Case(
+            "bart-base", build_bart, (1,), 64, 128, "bf16", pad_token_id=1, plan=(("eager", "greedy"),), opt_in=True,
+            about="a BART-base-shaped summariser (6+6 layers, width 768), bf16, a 128-token source with its mask of "
+                  "ones, greedy b1, EncoderDecoderCache (tiny on CPU)"),
     }
