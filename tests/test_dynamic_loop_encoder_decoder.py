@@ -16,6 +16,10 @@ from parameterized import parameterized
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
+    BlenderbotConfig,
+    BlenderbotForConditionalGeneration,
+    BlenderbotSmallConfig,
+    BlenderbotSmallForConditionalGeneration,
     GenerationConfig,
     MarianConfig,
     MarianMTModel,
@@ -47,7 +51,9 @@ _BART_SIZES = dict(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layer
                    init_std=0.5, max_position_embeddings=64)
 _BART_SHAPED = {"bart": (BartConfig, BartForConditionalGeneration),
                 "mbart": (MBartConfig, MBartForConditionalGeneration), "marian": (MarianConfig, MarianMTModel),
-                "pegasus": (PegasusConfig, PegasusForConditionalGeneration)}
+                "pegasus": (PegasusConfig, PegasusForConditionalGeneration),
+                "blenderbot": (BlenderbotConfig, BlenderbotForConditionalGeneration),
+                "blenderbot_small": (BlenderbotSmallConfig, BlenderbotSmallForConditionalGeneration)}
 
 # Whisper's special tokens in a vocabulary of 80: text below 40, then these, then timestamps from 50
 EOT, SOT, EN, FR, TRANSLATE, TRANSCRIBE, PREV_SOT, NO_TIMESTAMPS = 40, 41, 42, 43, 44, 45, 47, 49
@@ -188,7 +194,7 @@ class TextEncoderDecodersEqualStock(unittest.TestCase):
         if not sample:
             self.assertLess(ref.sequences.shape[1], 1 + 10, "the reference run must stop early")
 
-    @parameterized.expand([("mbart",), ("marian",), ("pegasus",)])
+    @parameterized.expand([("mbart",), ("marian",), ("pegasus",), ("blenderbot",), ("blenderbot_small",)])
     def test_bart_shaped_copies_take_the_loop_and_equal_stock(self, family):
         model = build(family)
         ids, mask = prompt(batch=2, left_pad=True)

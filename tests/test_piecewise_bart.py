@@ -38,7 +38,7 @@ from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.release_checks.verified import matches
 
 ON = {proof.PIECEWISE_ENV: "1"}
-FAMILY_NAMES = ("bart", "mbart", "marian", "pegasus")
+FAMILY_NAMES = ("bart", "mbart", "marian", "pegasus", "blenderbot", "blenderbot_small")
 READ = (5, 17) <= TRANSFORMERS_VERSION[:2] <= (5, 24) and all(
     matches(f"piecewise forward ({name})") for name in FAMILY_NAMES)
 TAKEN = READ and matches("dynamic decode loop")

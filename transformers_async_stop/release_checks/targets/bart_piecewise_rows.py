@@ -1,4 +1,5 @@
-"""The sources behind the graphed decoder forward of BART and its modular copies (mBART, Marian, Pegasus), 5.17.0-5.24.0.
+"""The sources behind the graphed decoder forward of BART and its modular copies (mBART, Marian, Pegasus, Blenderbot,
+BlenderbotSmall), 5.17.0-5.24.0.
 
 Read on each of 5.17.0, 5.18.0, 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0 and 5.24.0, for a decode step of the
 conditional-generation class handed `decoder_input_ids` (one token), `encoder_outputs` (a `BaseModelOutput`: the
@@ -23,19 +24,22 @@ cross-attention is written (`is_updated`), no labels, and, in a recording, the 4
   attention_mask=encoder_attention_mask, encoder_hidden_states=...)`: intercepted at the recording (its keywords kept
   with markers for the step's encoder mask and states, `masks.recorded_cross_kwargs`) and called again by each replay,
   stock's function looked up in the module, with the step's own: stock's cross-attention mask at every step (with a
-  2D encoder mask its SDPA skip check reads the device, as stock's does). mBART and Pegasus end with a `layer_norm`;
+  2D encoder mask its SDPA skip check reads the device, as stock's does). mBART, Pegasus and Blenderbot end with a
+  `layer_norm`; BlenderbotSmall normalises the word embeddings before adding the positions;
   the layerdrop branch runs only in training (eager);
 - `<Family>LearnedPositionalEmbedding.forward` (BART, mBART) with `position_ids`: `embedding(position_ids + offset)`
-  (mBART's after `unsqueeze(0)`), the offset (2) a plain attribute; `<Family>SinusoidalPositionalEmbedding.forward`
+  (mBART's after `unsqueeze(0)`), the offset (2) a plain attribute; Blenderbot's and BlenderbotSmall's:
+  `embedding(position_ids)`; `<Family>SinusoidalPositionalEmbedding.forward`
   (Marian, Pegasus): `embedding(position_ids)`. Of shape (n, d) or (1, n, d), added to the (batch, n, d) embeddings:
   the same two values per element. A position past the table indexes past it as in stock (the controller reads each
   verdict before a forward past it: `undo/position_table.py`);
-- `<Family>ScaledWordEmbedding.forward` (BART, mBART): the embedding times `embed_scale`, an attribute;
+- `<Family>ScaledWordEmbedding.forward` (BART, mBART, Blenderbot): the embedding times `embed_scale`, an attribute
+  (Marian and BlenderbotSmall multiply torch's embedding by their decoder's `embed_scale` in the decoder);
 - `<Family>DecoderLayer.forward`: the self-attention, then the cross-attention block (`encoder_hidden_states is not
   None`: given at every step), the MLP (`ACT2FN[config.activation_function]`: GELU read here; torch's ReLU and SiLU,
   Pegasus' and Marian's released configs', are on default-deny's torch list; another activation's class keeps the
-  forward eager), dropouts with `training=self.training`, pre-norm (mBART, Pegasus) or post-norm (BART, Marian) by
-  class;
+  forward eager), dropouts with `training=self.training`, pre-norm (mBART, Pegasus, Blenderbot) or post-norm (BART,
+  Marian, BlenderbotSmall) by class;
 - `<Family>Attention.forward`: q scaled inside the attention (`scaling=self.scaling`, a float); the self-attention
   reads `is_updated` and updates the `self_attention_cache` (run eagerly at each replay); the cross-attention, with
   `is_updated` True, takes `cross_attention_cache.layers[layer].keys/values` with no op and no update (each replay
@@ -52,6 +56,7 @@ _SHARED = {
     "transformers.cache_utils:EncoderDecoderCache.get_seq_length": {"5c12fd181ee0": "5.17.0-5.24.0"},
 }
 _LEARNED = {"b73ef13c1d9c": "5.17.0-5.23.0", "ac36eea0ac7a": "5.24.0"}
+_LEARNED_NO_OFFSET = {"9040f687c04d": "5.17.0-5.23.0", "442b00a86fe0": "5.24.0"}  # Blenderbot's, BlenderbotSmall's
 _SINUSOIDAL = {"059b1f4eb19a": "5.17.0-5.23.0", "d369b3721c95": "5.24.0"}
 _SCALED = {"fde2a0ebfb79": "5.17.0-5.24.0"}
 _POST_NORM_LAYER = {"9d4370956dc4": "5.17.0-5.23.0", "8620d211a757": "5.24.0"}  # BART's, Marian's
@@ -96,6 +101,20 @@ BART_ROWS = (
         {"51df619ba92b": "5.17.0", "5b1437e18451": "5.18.0-5.22.2", "4f5842da4bc0": "5.23.0",
          "7c1291cb0cb9": "5.24.0"},
         ("MarianSinusoidalPositionalEmbedding", _SINUSOIDAL), None)),
+    _row("blenderbot", "Blenderbot", "BlenderbotForConditionalGeneration", (
+        _ATTENTION, _PRE_NORM_LAYER,
+        {"41a33e03dfe8": "5.17.0-5.22.2", "95f7e345355e": "5.23.0", "00068bd505a6": "5.24.0"},
+        {"74e341f8f583": "5.17.0-5.22.2", "aed021652e8e": "5.23.0", "c82cd3c53eda": "5.24.0"},
+        {"aaaf19bd3c06": "5.17.0", "ab229a405aec": "5.18.0-5.22.2", "e4426a505612": "5.23.0",
+         "f99333c77a33": "5.24.0"},
+        ("BlenderbotLearnedPositionalEmbedding", _LEARNED_NO_OFFSET), _SCALED)),
+    _row("blenderbot_small", "BlenderbotSmall", "BlenderbotSmallForConditionalGeneration", (
+        _ATTENTION, _POST_NORM_LAYER,
+        {"9369aa1d2186": "5.17.0-5.22.2", "16e09a0f7545": "5.23.0", "a564b4c40bb4": "5.24.0"},
+        {"7dc7275193a2": "5.17.0-5.22.2", "20967a8a31b0": "5.23.0", "85e3f1e3a718": "5.24.0"},
+        {"f158bfdc161a": "5.17.0", "bf50b6e5799a": "5.18.0-5.22.2", "899ecb89d113": "5.23.0",
+         "b0b7f2f537e5": "5.24.0"},
+        ("BlenderbotSmallLearnedPositionalEmbedding", _LEARNED_NO_OFFSET), None)),
     _row("pegasus", "Pegasus", "PegasusForConditionalGeneration", (
         _ATTENTION, _PRE_NORM_LAYER,
         {"bd09e0096f40": "5.17.0-5.22.2", "ac02a7d4e982": "5.23.0", "9376916165a6": "5.24.0"},

@@ -15,8 +15,9 @@ each family's own code is read here:
   long-form without conditioning on previous tokens: Whisper's `generate` pops it) it calls the generic preparation
   with the same arguments; with a decoder mask it makes `decoder_position_ids` from it, and the loop then calls it at
   every step. 5.24 renames the cache `cache` (the keyword deprecation decorator: transformers' own code).
-BART, mBART, Marian and Pegasus share one attention source (copies); each has its own decoder. Read in 5.17.0,
-5.23.0 and 5.24.0; digested there and in the CI's release installs of 5.18.0, 5.19.0, 5.20.2, 5.21.1 and 5.22.2
+BART, mBART, Marian, Pegasus, Blenderbot and BlenderbotSmall share one attention source (copies); each has its own
+decoder (Blenderbot's and BlenderbotSmall's read in 5.17.0-5.24.0 on 2026-11-29, session 4). Read in 5.17.0, 5.23.0
+and 5.24.0; digested there and in the CI's release installs of 5.18.0, 5.19.0, 5.20.2, 5.21.1 and 5.22.2
 (noxfile.py `releases`): 5.23 changes the decoders' annotations and layerdrop condition, 5.24 renames the cache.
 """
 
@@ -51,6 +52,17 @@ FAMILIES = {
         "PegasusAttention.forward": _SHARED_ATTENTION,
         "PegasusDecoder.forward": {"bd09e0096f40": "5.17.0-5.22.2", "ac02a7d4e982": "5.23.0", "9376916165a6": "5.24.0"},
     }),
+    "blenderbot": ("transformers.models.blenderbot.modeling_blenderbot", "BlenderbotForConditionalGeneration", {
+        "BlenderbotAttention.forward": _SHARED_ATTENTION,
+        "BlenderbotDecoder.forward": {"41a33e03dfe8": "5.17.0-5.22.2", "95f7e345355e": "5.23.0",
+                                      "00068bd505a6": "5.24.0"},
+    }),
+    "blenderbot_small": ("transformers.models.blenderbot_small.modeling_blenderbot_small",
+                         "BlenderbotSmallForConditionalGeneration", {
+                             "BlenderbotSmallAttention.forward": _SHARED_ATTENTION,
+                             "BlenderbotSmallDecoder.forward": {"9369aa1d2186": "5.17.0-5.22.2", "16e09a0f7545": "5.23.0",
+                                                                "a564b4c40bb4": "5.24.0"},
+                         }),
     "t5": ("transformers.models.t5.modeling_t5", "T5ForConditionalGeneration", {
         "T5Attention.forward": {"ba160432565f": "5.17.0-5.23.0", "e8b34f4b98ef": "5.24.0"},
         "T5Stack.forward": {"cf7dbec8f0f0": "5.17.0-5.23.0", "daf68a2b4ec7": "5.24.0"},

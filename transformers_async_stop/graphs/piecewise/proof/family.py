@@ -112,7 +112,8 @@ FAMILIES = {
                            watched=("create_causal_mask", "ALL_ATTENTION_FUNCTIONS"), layer_count="decoder_layers",
                            cross_attention="encoder_attn", skipped=("model.encoder",)),
     # BART and its modular copies (5.17+; their conditional-generation classes' decoders): a decoder nested in the
-    # base model, learned (BART, mBART: an offset of 2) or sinusoidal (Marian, Pegasus) position tables, two attention
+    # base model, learned (BART, mBART: an offset of 2; Blenderbot, BlenderbotSmall) or sinusoidal (Marian, Pegasus)
+    # position tables, two attention
     # sites per layer as Whisper's, the same `EncoderDecoderCache` interception. Their decoders take no
     # `position_ids`: they make them from the cache's host length and hand them to `embed_positions(...,
     # position_ids=...)`, whose `position_ids` branch is device ops only; the recording hands that call the positions
@@ -125,7 +126,9 @@ FAMILIES = {
                                 position_table="model.decoder.embed_positions")
        for name, prefix, generation_class in (
            ("bart", "Bart", "BartForConditionalGeneration"), ("mbart", "MBart", "MBartForConditionalGeneration"),
-           ("marian", "Marian", "MarianMTModel"), ("pegasus", "Pegasus", "PegasusForConditionalGeneration"))},
+           ("marian", "Marian", "MarianMTModel"), ("pegasus", "Pegasus", "PegasusForConditionalGeneration"),
+           ("blenderbot", "Blenderbot", "BlenderbotForConditionalGeneration"),
+           ("blenderbot_small", "BlenderbotSmall", "BlenderbotSmallForConditionalGeneration"))},
     "Gemma3TextModel": Family("gemma3", "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM",
                               watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask"),
                               windows_by_layer_type=True),
