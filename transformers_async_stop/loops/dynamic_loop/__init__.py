@@ -12,8 +12,8 @@ processor and criteria list wrappers, the stop-check object, and the `generation
   column of ones (the model builds its 4D mask from it inside its forward, as in stock);
 - **loop** (`loop.py`): the stock `_sample` of 5.17-5.23 around them, with the processor plan and criteria fold of
   the deferred path and the one-step-late verdict of `AsyncStop`, used as the static-cache loop uses it;
-- **eligibility** (`eligibility.py`): which calls take it; encoder-decoders (BART, mBART, Marian, Pegasus, T5,
-  Whisper) in `encoder_decoder.py`: their decoder's inputs advanced under stock's names for them, the extra step
+- **eligibility** (`eligibility.py`): which calls take it; encoder-decoders (BART, mBART, Marian, Pegasus,
+  Blenderbot, BlenderbotSmall, T5, Whisper) in `encoder_decoder.py`: their decoder's inputs advanced under stock's names for them, the extra step
   undone in the self-attention cache;
 - **prefill** (`prefill.py`): an assistant's two-token prefill on a filled cache (each assisted round after the
   first) through the same forward as the decode steps; every other prefill is stock's `_prefill`.

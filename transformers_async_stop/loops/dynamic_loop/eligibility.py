@@ -2,8 +2,8 @@
 
 The loop is taken where it reproduces stock exactly, and nowhere else: a decoder-only model that keeps transformers'
 own `prepare_inputs_for_generation` (or Phi-3's own, read: `_OWN_INPUTS`) and `_update_model_kwargs_for_generation`
-and is not remote code, or an encoder-decoder of the families read (BART, mBART, Marian, Pegasus, T5, Whisper with
-its own preparation, read: `encoder_decoder.py`) with a plain `EncoderDecoderCache` of two `DynamicCache`s of
+and is not remote code, or an encoder-decoder of the families read (BART, mBART, Marian, Pegasus, Blenderbot,
+BlenderbotSmall, T5, Whisper with its own preparation, read: `encoder_decoder.py`) with a plain `EncoderDecoderCache` of two `DynamicCache`s of
 full-attention layers; for a decoder-only model a plain
 `DynamicCache` (not compileable: stock builds no 4D mask in the input preparation) of full-attention and
 sliding-window layers (`DynamicLayer`, `DynamicSlidingWindowLayer`; an assistant's draft: the former only), one new
