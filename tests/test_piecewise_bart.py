@@ -109,7 +109,8 @@ class _BartCases:
             model = model_of(family, self.DEVICE, dtype)
             ids = source(batch, self.DEVICE)
             for call in range(2):  # the second call replays the first call's recording
-                check_against_stock(self, model, ids, mask=encoder_mask(mask, ids), **extra)
+                # every row generates its whole budget (a sampled EOS would end the call before its steps replay)
+                check_against_stock(self, model, ids, mask=encoder_mask(mask, ids), min_new_tokens=NEW, **extra)
                 path = tas.last_path()
                 self.assertTrue(path.describe().startswith("deferred, dynamic loop, forward graphed"),
                                 (dtype_name, call, path.describe()))
@@ -221,7 +222,10 @@ class _BartCases:
             check_against_stock(self, model, source(2, self.DEVICE))
         forward_path = tas.last_path().forward
         self.assertTrue(forward_path.startswith("eager: "), forward_path)
-        self.assertIn("BartLearnedPositionalEmbedding", forward_path)
+        # named by the digest of the family's sources (the class's `forward` is one of them) or, where an earlier call
+        # in the process saw the class's own, as a rebound name
+        self.assertTrue("BartLearnedPositionalEmbedding" in forward_path
+                        or forward_path == "eager: transformers' bart sources are not the ones read", forward_path)
 
     def test_a_position_table_forward_replaced_mid_call_equals_stock(self):
         model = model_of("bart", self.DEVICE)
