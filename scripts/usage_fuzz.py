@@ -14,12 +14,14 @@ end with how many flag runs took the graphed forward in at least one call (`grap
 scenarios draw assisted decoding or prompt lookup (`assisted`) and in how many flag runs its verify forward replayed
 from the graphs in some call (`graphed_verify`) and in the last call (`graphed_verify_last`), and for issue 38 in how
 many a greedy round's acceptance replayed from its graph (`graphed_acceptance`), and how many scenarios run a found
-family's model (`found_family`, 5.17+) and a multi-head latent attention family's (`latent_family`, 5.17+).
+family's model (`found_family`, 5.17+), a multi-head latent attention family's (`latent_family`, 5.17+) and an
+encoder-decoder's (`encoder_decoder`, 5.17+: BART and its copies, T5, Whisper; tests/usage_encoder_decoder.py).
 `--require assisted` runs only seeds drawing that key (--draws of them, from --seed on):
 
     python scripts/usage_fuzz.py --require assisted --draws 300 --workers 2
     python scripts/usage_fuzz.py --require found_family --draws 1000
     python scripts/usage_fuzz.py --require latent_family --draws 300
+    python scripts/usage_fuzz.py --require encoder_decoder --draws 300 --workers 2
 
 `--workers N` (and any run on CUDA) runs the seeds in worker processes that report each seed as it ends. A worker
 that dies (a CUDA device-side assert ends the process's CUDA context, and every later scenario in it would fail) has
@@ -98,6 +100,8 @@ def main():
             for s in (sc, sc.get("threads", {}).get("other")):
                 if s is not None:
                     s["graphed"] = args.graphed
+            if "encoder_decoder" in sc:  # (its own sub-scenario's)
+                sc["encoder_decoder"]["graphed"] = args.graphed
 
     def outcome(sc):
         try:
@@ -136,6 +140,7 @@ def main():
         counts["assisted"] += "assisted" in sc
         counts["found_family"] += "found_family" in sc  # (a found family's model: usage_dimensions._found_family)
         counts["latent_family"] += "latent_family" in sc  # (a latent-attention family's: _latent_family)
+        counts["encoder_decoder"] += "encoder_decoder" in sc  # (an encoder-decoder's: _encoder_decoder)
         counts["graphed_verify"] += graphed_verify[0]
         counts["graphed_verify_last"] += graphed_verify[1]
         # issue 38: the flag runs where a greedy round's acceptance replayed from its graph in some call
@@ -167,7 +172,7 @@ def main():
                   f"{(again[1] if again else '')[:600]}", flush=True)
         report(seed=seed, status=status, graphed=graphed, graphed_verify=graphed_verify, assisted="assisted" in sc,
                graphed_acceptance=graphed_acceptance, found_family="found_family" in sc,
-               latent_family="latent_family" in sc,
+               latent_family="latent_family" in sc, encoder_decoder="encoder_decoder" in sc,
                failure=failures[-1] if status in ("fail", "crashed") else None,
                skip=detail if status == "stock_err" else None)
         if status in ("fail", "crashed") and len(failures) >= args.max_failures:
@@ -180,7 +185,8 @@ def main():
     print(f"transformers {version} device {args.device}: " +
           " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed",
                                                 "assisted", "graphed_verify", "graphed_verify_last",
-                                                "graphed_acceptance", "found_family", "latent_family")) +
+                                                "graphed_acceptance", "found_family", "latent_family",
+                                                "encoder_decoder")) +
           f" in {elapsed:.0f}s ({time.process_time() - cpu0:.0f}s of CPU)")
     for reason, n in skips.most_common(8):
         print(f"  skipped {n}: stock raised {reason}")
@@ -326,6 +332,7 @@ def _fan_out(args) -> int:
         counts["graphed_acceptance"] += bool(rec.get("graphed_acceptance"))
         counts["found_family"] += bool(rec.get("found_family"))
         counts["latent_family"] += bool(rec.get("latent_family"))
+        counts["encoder_decoder"] += bool(rec.get("encoder_decoder"))
         counts[{"pass": "passed", "fail": "failed", "stock_err": "skipped_stock_errs"}.get(rec["status"],
                                                                                         rec["status"])] += 1
         if rec.get("skip"):
@@ -336,7 +343,7 @@ def _fan_out(args) -> int:
           " ".join(f"{k}={counts[k]}" for k in ("drawn", "passed", "failed", "skipped_stock_errs", "crashed", "graphed",
                                                 "assisted", "graphed_verify", "graphed_verify_last",
                                                 "graphed_acceptance", "found_family", "latent_family",
-                                                "not_run")) +
+                                                "encoder_decoder", "not_run")) +
           f" accounted={counts['drawn'] + counts['not_run']}/{len(seeds)} respawned={spawned - len(seeds[:args.workers])}"
           f" in {time.time() - start:.0f}s")
     for reason, n in skips.most_common(8):

@@ -138,10 +138,10 @@ class DrawsCoverUsage(unittest.TestCase):
         # each value of the autograd contexts, rope types, verdict shapes and dtypes, widths, mutations, in-place id
         # edits and hidden states: at least 3 times in 400 draws (a value never drawn fails here)
         # (a found family, one of 23: FoundFamiliesAreDrawn counts them in 2000 draws; a latent-attention family:
-        # LatentFamiliesAreDrawn)
+        # LatentFamiliesAreDrawn; an encoder-decoder's values: EncoderDecodersAreDrawn)
         counts = collections.Counter(v for seed in range(400) for v in usage_dimensions.reached(draw(seed, DEVICE)))
         rare = {v: counts[v] for v in usage_dimensions.every_value(DEVICE)
-                if counts[v] < 3 and not v.startswith(("found_family:", "latent_family:"))}
+                if counts[v] < 3 and not v.startswith(("found_family:", "latent_family:", "encoder_decoder"))}
         self.assertEqual(rare, {}, "issue-25 dimension values drawn fewer than 3 times in 400 draws")
 
     def test_the_ci_slice_reaches_every_issue25_dimension_value(self):
@@ -336,12 +336,14 @@ class FoundFamiliesAreDrawn(unittest.TestCase):
         # with the dimension not drawn, each seed's scenario is the one it drew before it existed: the dimension adds
         # its one key and changes no other field (`latent_family`, drawn where it is not, left out of both)
         with mock.patch.object(usage_dimensions, "_found_family", lambda sc: None), \
-                mock.patch.object(usage_dimensions, "_latent_family", lambda sc: None):
+                mock.patch.object(usage_dimensions, "_latent_family", lambda sc: None), \
+                mock.patch.object(usage_dimensions, "_encoder_decoder", lambda sc, device: None):
             before = [draw(seed, DEVICE) for seed in range(300)]
         for seed, old in enumerate(before):
             new = dict(self.CASES[seed])
             new.pop("found_family", None)
             new.pop("latent_family", None)
+            new.pop("encoder_decoder", None)
             self.assertEqual(new, old, seed)
 
     def test_found_families_are_drawn_only_where_the_other_draws_fit(self):
@@ -412,11 +414,14 @@ class LatentFamiliesAreDrawn(unittest.TestCase):
     def test_every_earlier_seed_draws_as_before_on_seeds_0_1999(self):
         # with the dimension not drawn, each seed's scenario is the one it drew before it existed (every other
         # dimension's fields, `found_family` among them): the dimension adds its one key and changes nothing else
-        with mock.patch.object(usage_dimensions, "_latent_family", lambda sc: None):
+        # (`encoder_decoder`, drawn where it is not, left out of both)
+        with mock.patch.object(usage_dimensions, "_latent_family", lambda sc: None), \
+                mock.patch.object(usage_dimensions, "_encoder_decoder", lambda sc, device: None):
             before = [draw(seed, DEVICE) for seed in range(2000)]
         for seed, old in enumerate(before):
             new = dict(self.CASES[seed])
             new.pop("latent_family", None)
+            new.pop("encoder_decoder", None)
             self.assertEqual(new, old, seed)
 
     def test_latent_families_are_drawn_only_where_a_found_family_could_have_been_and_was_not(self):
@@ -482,6 +487,103 @@ class LatentFamiliesAreDrawn(unittest.TestCase):
             self.assertEqual(usage_peft._mlp_names(model), mlp, family)
             for lora in ("attn", "attn_mlp"):  # (peft takes them: routed experts' fused projections included)
                 usage_peft.Adapters({"targets": lora, "second": True}, latent_models.build_latent(family))
+
+
+class EncoderDecodersAreDrawn(unittest.TestCase):
+    """The `encoder_decoder` dimension (usage_dimensions._encoder_decoder, tests/usage_encoder_decoder.py): on 5.17+ an
+    encoder-decoder sub-scenario (BART and its copies, T5, Whisper on the dynamic-cache loop) in place of the
+    decoder-only one, drawn from its own random stream where no other dimension replaced or wrapped the model; every
+    earlier seed draws as before, and the scenarios run against stock on the CPU (the graphs emulated)."""
+
+    CASES = UserModulesAreDrawn.CASES
+
+    def test_every_earlier_seed_draws_as_before_on_seeds_0_1999(self):
+        # with the dimension not drawn, each seed's scenario is the one it drew before it existed (every other
+        # dimension's fields): the dimension adds its one key and changes nothing else
+        with mock.patch.object(usage_dimensions, "_encoder_decoder", lambda sc, device: None):
+            before = [draw(seed, DEVICE) for seed in range(2000)]
+        for seed, old in enumerate(before):
+            new = dict(self.CASES[seed])
+            new.pop("encoder_decoder", None)
+            self.assertEqual(new, old, seed)
+
+    def test_drawn_on_5_17_and_later_only_where_no_other_dimension_replaced_the_model(self):
+        import json
+
+        drawn = [sc for sc in self.CASES if "encoder_decoder" in sc]
+        if not usage_dimensions.ENCDEC_RELEASES:
+            self.assertEqual(drawn, [], "encoder-decoders drawn before 5.17")
+            return
+        self.assertGreater(len(drawn), 150)
+        for sc in drawn:
+            self.assertFalse({"found_family", "latent_family", "assisted", "user_module", "threads"} & set(sc),
+                             sc["seed"])
+            self.assertEqual(json.loads(dumps(sc)), sc)  # (plain data: printed and replayed)
+        self.assertGreater(sum(sc["encoder_decoder"]["graphed"] in ("emulated", "natural") for sc in drawn), 80)
+
+    @unittest.skipUnless(usage_dimensions.ENCDEC_RELEASES, "drawn on transformers 5.17+")
+    def test_every_encoder_decoder_value_is_drawn_several_times(self):
+        import usage_encoder_decoder
+
+        counts = collections.Counter(v for sc in self.CASES if "encoder_decoder" in sc
+                                     for v in usage_encoder_decoder.reached(sc))
+        rare = {v: counts[v] for v in usage_encoder_decoder.every_value(DEVICE) if counts[v] < 5}
+        self.assertEqual(rare, {}, "encoder-decoder values drawn fewer than 5 times in 2000 draws")
+        whisper = [sc["encoder_decoder"]["whisper"] for sc in self.CASES
+                   if sc.get("encoder_decoder", {}).get("family") == "whisper"]
+        self.assertEqual({w["language"] for w in whisper} | {w["task"] for w in whisper},
+                         {None, "en", "fr", "transcribe", "translate"})
+        self.assertEqual({w["timestamps"] for w in whisper}, {True, False})
+
+    @unittest.skipUnless(usage_dimensions.ENCDEC_RELEASES and DEVICE == "cpu", "drawn on transformers 5.17+")
+    def test_a_handful_of_scenarios_equal_stock_and_replay_the_graphed_decoder(self):
+        # per family the first emulated scenario (the later ones: the first continuing its cache, the first editing
+        # its encoder mask mid-call): each passes, and the text families' and Whisper's decoders replay
+        wanted, seeds = set(usage_encoder_decoder_families()), []
+        for sc in self.CASES:
+            ed = sc.get("encoder_decoder")
+            if ed and ed["graphed"] == "emulated" and ed["attn"] == "sdpa" and ed["family"] in wanted:
+                wanted.discard(ed["family"])
+                seeds.append(sc["seed"])
+        graphed, failures = set(), []
+        for seed in seeds:
+            sc = self.CASES[seed]
+            status, detail = check(sc, DEVICE)
+            if status == "fail":
+                failures.append(f"seed {seed}: {detail}")
+            if any((path or "").startswith("graphed") for path in usage_runner.LAST_FORWARD):
+                graphed.add(sc["encoder_decoder"]["family"])
+        self.assertEqual(failures, [])
+        self.assertGreaterEqual(len(graphed), 4, graphed)
+
+    @unittest.skipUnless(usage_dimensions.ENCDEC_RELEASES and DEVICE == "cpu", "drawn on transformers 5.17+")
+    def test_a_criterion_edits_the_encoder_mask_mid_call_and_a_second_call_continues_the_cache(self):
+        # the edit takes effect in stock's run (the mask after the call differs from the one passed), and the second
+        # call continues from the first's sequences and returned cache: the flag run equals stock's
+        import usage_encoder_decoder
+
+        ed = {"family": "bart", "batch": 2, "attn": "sdpa", "do_sample": False, "grad": "inference_mode",
+              "graphed": "emulated", "cache": "returned", "flag_via": "kwarg", "src_len": 6,
+              "mask": {"kind": "left_pad", "pads": [0, 2]},
+              "turns": [{"max_new_tokens": 6, "return_dict": True, "eos": None, "output_scores": True,
+                         "processors": [], "criteria": [{"kind": "mask_edit", "at": 2, "edit": "zero_prefix",
+                                                         "row": 0, "col": 2}]},
+                        {"max_new_tokens": 4, "return_dict": True, "eos": None, "output_logits": True,
+                         "processors": [], "criteria": [], "decoder_mask": False, "mask": "same"}]}
+        sc = {"seed": 5, "encoder_decoder": ed}
+        with stock():
+            ref = usage_encoder_decoder.run(sc, False)
+        self.assertEqual(ref.trace[0]["encoder_mask"].tolist(), [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+        self.assertEqual(ref.trace[1]["output"]["sequences"].shape, (2, 1 + 6 + 4))
+        self.assertEqual(check(sc, DEVICE), ("pass", ""))
+        self.assertTrue(all(path.startswith("graphed") for path in usage_runner.LAST_FORWARD),
+                        usage_runner.LAST_FORWARD)
+
+
+def usage_encoder_decoder_families():
+    import usage_encoder_decoder
+
+    return usage_encoder_decoder.FAMILIES
 
 
 class ThreadScenariosAreFair(unittest.TestCase):

@@ -70,6 +70,12 @@ LATENT_RATE = 0.2
 # (family, user-module target) with no such module in the family's decoder layer 1 (usage_modules.place): its routed
 # experts' block holds no activation module of its own (MiniCPM3's second layer is a dense MLP)
 LATENT_UNPLACED = {("deepseek_v3", "act"), ("deepseek_v2", "act"), ("glm4_moe_lite", "act")}
+# an encoder-decoder sub-scenario (tests/usage_encoder_decoder.py: BART and its copies, T5, Whisper on the
+# dynamic-cache loop, 5.17+) in place of the decoder-only one (2026-11-30): where no found or latent family, assistant
+# or user module was drawn, from a stream of its own ('<seed>/encdec'), so every seed draws every other field as
+# before (the runner ignores the decoder-only fields of such a scenario)
+ENCDEC_RELEASES = FOUND_RELEASES
+ENCDEC_RATE = 0.25
 
 
 def _weighted(rng, table):
@@ -223,6 +229,20 @@ def _latent_family(sc: dict) -> None:
     sc["latent_family"] = family
 
 
+def _encoder_decoder(sc: dict, device: str) -> None:
+    """An encoder-decoder sub-scenario (`encoder_decoder`, its own random stream; usage_encoder_decoder.draw) where
+    no other dimension replaced or wrapped the model (found / latent family, assistant, user module). Drawn last,
+    and changes no field of any other dimension: the runner runs the sub-scenario (usage_encoder_decoder.check)."""
+    if not ENCDEC_RELEASES or {"found_family", "latent_family", "assisted", "user_module"} & set(sc):
+        return
+    rng = random.Random(f"{sc['seed']}/encdec")
+    if rng.random() >= ENCDEC_RATE:
+        return
+    import usage_encoder_decoder
+
+    sc["encoder_decoder"] = usage_encoder_decoder.draw(rng, device)
+
+
 def _graphed(sc: dict, device: str) -> None:
     """Issue 27: the flag run's piecewise forward, for a scenario it may take (its own random stream)."""
     kind = "cuda" if device != "cpu" else "cpu"
@@ -277,10 +297,16 @@ def add(sc: dict, device: str) -> None:
     usage_assisted_draws.add(sc, device)  # issue 32's assisted decoding and prompt lookup (the same)
     _found_family(sc)  # (last: it reads the other draws)
     _latent_family(sc)  # (after it: drawn only where it was not)
+    _encoder_decoder(sc, device)  # (after both: drawn only where neither was)
 
 
 def candidates(sc: dict, variant):
     """Simpler variants of `sc` along these dimensions (for usage_scenarios.shrink)."""
+    if "encoder_decoder" in sc:  # (its decoder-only fields are not run: only the sub-scenario's variants)
+        import usage_encoder_decoder
+
+        yield from usage_encoder_decoder.candidates(sc, variant)
+        return
     if sc.get("graphed") in ("emulated", "natural"):  # (a failure that stays with the path off is not the path's)
         yield variant(lambda s: s.__setitem__("graphed", "off"))
     yield from usage_assisted_draws.candidates(sc, variant)
@@ -303,7 +329,11 @@ def candidates(sc: dict, variant):
 
 def reached(sc: dict) -> set:
     """The values of issue 25's dimensions that `sc` draws, as strings (for the coverage tests and the fuzzer's
-    per-dimension counts)."""
+    per-dimension counts). An encoder-decoder scenario: the sub-scenario's values alone (its other fields not run)."""
+    if "encoder_decoder" in sc:
+        import usage_encoder_decoder
+
+        return usage_encoder_decoder.reached(sc)
     out = {"grad:" + sc.get("grad", "none")}
     if "rope" in sc:
         out.add("rope:" + sc["rope"]["type"])
@@ -353,6 +383,10 @@ def every_value(device: str = "cpu") -> set:
     out |= {"window:" + f for f in WINDOW_FAMILIES}
     out |= {"found_family:" + f for f in found_available()}
     out |= {"latent_family:" + f for f in latent_available()}
+    if ENCDEC_RELEASES:
+        import usage_encoder_decoder
+
+        out |= usage_encoder_decoder.every_value(device)
     out |= {"turn:grad", "turn:made_in", "turn:alias_probe", "mutator:processor", "mutator:criterion"}
     out |= {"before:" + w for w in BEFORE} | {"mutation:" + w for w in MUTATIONS} | {"hidden:" + h for h in HIDDEN}
     out |= {"width:widen", "width:narrow"} | {"after_width:" + n for n in WIDEN_THEN}

@@ -490,6 +490,11 @@ def check(sc, device="cpu"):
     """('pass' | 'fail' | 'stock_err', detail) for one scenario."""
     LAST_FORWARD.clear()
     LAST_VERIFY.clear()
+    if "encoder_decoder" in sc:  # (an encoder-decoder sub-scenario: usage_dimensions._encoder_decoder)
+        from usage_encoder_decoder import check as check_encoder_decoder
+
+        status, detail, LAST_FORWARD[:] = check_encoder_decoder(sc, device)
+        return status, detail
     if "threads" in sc:
         from usage_threads import check_threads  # (it runs this module's scenarios)
 

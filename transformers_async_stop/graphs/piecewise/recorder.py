@@ -279,9 +279,16 @@ class _Recorder:
         self.end()
         with self.backend.stream(self.main):
             if self.cross_mask_function is not None and self.cross_mask_made is None:
-                # stock's mask for this step, as each replay makes it (`Recording.replay`)
-                self.cross_mask_made = [self._eager(masks.cross_mask_call, self.cross_mask_function,
-                                                    self.rec.cross_mask[1], self.encoder_mask, self.encoder_states)]
+                # stock's mask for this step, as each replay makes it (`Recording.replay`). Stock's decoder makes it
+                # before its first layer: where it raises, the caller's cache is as it was before the step (red team
+                # of 2026-11-29, BART graphs, hole 1), not holding layer 0's update the recording has made since
+                try:
+                    self.cross_mask_made = [self._eager(masks.cross_mask_call, self.cross_mask_function,
+                                                        self.rec.cross_mask[1], self.encoder_mask,
+                                                        self.encoder_states)]
+                except BaseException:
+                    self.restore_cache()
+                    raise
             mask = self.cross_mask_made[0] if self.cross_mask_made is not None else None
             output, weights = self._eager(original, module, query, keys, values, mask, **kwargs)
         return self._next_piece((layer_idx, query, None, None, recorded), output, weights, False, False)

@@ -108,7 +108,7 @@ def why_not_model(model, model_forward) -> str | None:
     why = why_not_tensors(model)
     if why is not None:
         return why
-    why = why_observed(model)
+    why = why_observed(model, decoding_modules(model, family) if family.skipped else None)
     if why is not None:
         return why
     why = names.why_rebound(names.watched(model, module, family, FAMILIES.values()))
@@ -168,14 +168,21 @@ def why_not_again(model, model_forward, graphs) -> str | None:
         # every module's `__dict__` and children table holds the very keys and objects it held as proven: no module,
         # override, instance-level forward or hook table came or went; a hook added to a table it holds is found here,
         # as the first step would find it
-        why = why_global_hooks() or (why_observed(model) if any(map(len, graphs.hook_tables)) else None)
+        why = why_global_hooks() or (_why_observed_decoding(model) if any(map(len, graphs.hook_tables)) else None)
     else:
         # a module's `__dict__` edited to the same size (an attribute deleted, an override set): the snapshot compares
         # sizes only, so the proof's tests of each module's `__dict__` are asked again
-        why = why_observed(model) or default_deny.why_instances(model)
+        why = _why_observed_decoding(model) or default_deny.why_instances(model)
     if why is not None:
         return why
     return _why_not_device(model)
+
+
+def _why_observed_decoding(model) -> str | None:
+    """`why_observed` of the modules a decode step runs (a hand-read encoder-decoder's encoder left out)."""
+    base = base_of(model)
+    family = FAMILIES.get(type(base).__name__) if base is not None else None
+    return why_observed(model, decoding_modules(model, family) if family is not None and family.skipped else None)
 
 
 def _why_not_call(model, model_forward) -> str | None:

@@ -31,7 +31,7 @@ import torch
 
 from .. import steps
 from . import attention, default_deny, names
-from .family import FAMILIES, base_of
+from .family import FAMILIES, base_of, decoding_modules
 
 _TRAINING = operator.attrgetter("training")
 _PLAIN_TABLES = (dict, collections.OrderedDict)
@@ -46,7 +46,9 @@ class WatchSet:
         base = base_of(model)
         self.family = family
         self.modules = family.attentions(base, model.config)  # the attention modules, in the replay's order
-        every = list(model.modules())
+        # the modules a decode step runs: an encoder-decoder's encoder ran once, before the decode steps (as in stock),
+        # and no decode step runs it, so its hooks, wrapped forward or training mode change no step
+        every = decoding_modules(model, family)
         tables = [table for module in every for table in _hook_tables(module)]
         # torch's own tables (dict / OrderedDict, whose truth is their length): `any` tests them without a call each;
         # a table of another type (a user's mapping) keeps the per-table `len`

@@ -32,12 +32,14 @@ def why_global_hooks() -> str | None:
     return None
 
 
-def why_observed(model) -> str | None:
-    """A hook or an instance-level forward anywhere would see (or change) what a replay skips."""
+def why_observed(model, modules=None) -> str | None:
+    """A hook or an instance-level forward anywhere a decode step runs would see (or change) what a replay skips.
+    `modules`: those a decode step runs (`family.decoding_modules`: an encoder-decoder's encoder, which ran once
+    before the decode steps as in stock, left out), None: every module."""
     why = why_global_hooks()
     if why is not None:
         return why
-    for module in model.modules():
+    for module in model.modules() if modules is None else modules:
         if _has_hooks(module):
             return f"a hook on {type(module).__name__}{_whose(module)}"
         if "forward" in module.__dict__:
