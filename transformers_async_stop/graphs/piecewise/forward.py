@@ -183,9 +183,10 @@ class PiecewiseForward(StepInputs):
             return self._eager(self._failed(key, f"not proven: {why}"), inputs)
         forward_inputs = {name: value for name, value in inputs.items() if name != "return_dict"}
         forward_inputs["return_dict"] = True
-        if self.encoder_decoder:
+        if self.encoder_decoder and self.family.decoder_positions:
             # stock's decoder makes these itself from the same host length (`arange(n) + cache_length`, repeated over
-            # the batch); handed to it, the length it reads reaches no output (`targets/piecewise_rows.py`, whisper)
+            # the batch); handed to it, the length it reads reaches no output (`targets/piecewise_rows.py`, whisper).
+            # T5's decoder takes none (its position bias is made again at each replay: `attention.Cut.bias`)
             ids = inputs["decoder_input_ids"]
             positions = torch.arange(ids.shape[1], device=ids.device) + self.step_length
             forward_inputs["decoder_position_ids"] = positions.unsqueeze(0).repeat(ids.shape[0], 1)

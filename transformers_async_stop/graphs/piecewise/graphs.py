@@ -101,6 +101,7 @@ def _intercepting(step: str):
 
 _intercept = _intercepting("attention")
 _intercept_derivation = _intercepting("derive")
+_intercept_bias = _intercepting("bias")
 
 
 def _swapped_attention(impl: str):
@@ -144,11 +145,15 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     # which a step after a mid-call change gets) carries the sequence's length as its row stride, which `clone` keeps,
     # and a confirming recording at another position would then see another geometry at the embedding's op and never
     # be confirmed (red team of 2026-11-29, latent attention: observation 1)
+    # an encoder-decoder's decoder without positions (T5's) is handed none, and has no positions buffer
+    positions = inputs.get(positions_key) if encoder_decoder else inputs[positions_key]
     recording = Recording(inputs[ids_key].clone(memory_format=torch.contiguous_format),
-                          inputs[positions_key].clone(memory_format=torch.contiguous_format),
+                          None if positions is None else positions.clone(memory_format=torch.contiguous_format),
                           torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device))
     kwargs = dict(inputs)
-    kwargs.update({ids_key: recording.ids, positions_key: recording.positions, mask_key: recording.sentinel})
+    kwargs.update({ids_key: recording.ids, mask_key: recording.sentinel})
+    if positions is not None:
+        kwargs[positions_key] = recording.positions
     # the cache whose update is intercepted: an encoder-decoder's self-attention cache
     updated = cache.self_attention_cache if encoder_decoder else cache
     started = time.perf_counter()
@@ -174,6 +179,8 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         recorder.watch = watch
         recorder.derives = cut.derive is not None
         recording.derive = cut.derive
+        recorder.biases = cut.bias is not None  # a position bias made after the update (T5's: `attention.Cut.bias`)
+        recording.bias = cut.bias
         if mask_module is not None:
             # one sentinel per mask call, distinct objects (made here: nothing is allocated for them under capture)
             recorder.sentinels = [torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device)
@@ -183,7 +190,9 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         updated.update = recorder.update  # the call's own cache object, for this forward only
         try:
             with sites.swapped(cut, impl, type(modules[0]), _intercept), masks.swapped(mask_module, _ACTIVE), \
-                    sites.swapped_derivation(cut, type(modules[0]), _intercept_derivation), backend.stream(stream), \
+                    sites.swapped_derivation(cut, type(modules[0]), _intercept_derivation), \
+                    (sites.swapped_derivation(cut, type(modules[0]), _intercept_bias, cut.bias) if cut.bias is not None
+                     else contextlib.nullcontext()), backend.stream(stream), \
                     (watch if watch is not None else contextlib.nullcontext()):
                 recorder.begin()
                 outputs = model_forward(**kwargs)
