@@ -10,7 +10,8 @@ recording runs it eagerly and checks its arguments and the data flow by identity
 encoder's length) is made inside a piece: the encoder's length is part of the recording key.
 
 Each case against unpatched transformers (sequences, scores, logits, the returned cache, the RNG state after the call),
-two calls each (the second replays the first's recording): greedy, seeded sampling, batch 1 and 2; then what keeps
+two calls each (the second replays the first's recording): greedy, seeded sampling, batch 1 and 2 (and mT5's copy,
+"piecewise forward (mt5)"); then what keeps
 the forward eager, named (a user module or a hook in the decoder, `compute_bias` replaced on the class before the call
 or mid-call or set on an instance, the encoder's attention mask, another attention implementation); on CUDA (skipped
 without it) and on the CPU with the graphs emulated.
@@ -40,6 +41,7 @@ from transformers_async_stop.testing.emulation import emulated
 ON = {proof.PIECEWISE_ENV: "1"}
 READ = (5, 17) <= TRANSFORMERS_VERSION[:2] <= (5, 24) and matches("piecewise forward (t5)")
 TAKEN = READ and matches("dynamic decode loop")
+MT5_TAKEN = TAKEN and matches("piecewise forward (mt5)") and matches("dynamic decode loop (mt5 encoder-decoder)")
 CUDA = torch.cuda.is_available() and TAKEN
 NEW = 8  # new tokens per call
 PIECES = "graphed (5 pieces)"  # two decoder blocks, two attention sites each
@@ -115,6 +117,15 @@ class _T5Cases:
             for call in range(2):  # the second call replays the first call's recording
                 check_against_stock(self, model, ids_of(batch, device=self.DEVICE), **extra)
                 self._assert_graphed((dtype_name, call))
+
+    @parameterized.expand(CASES)
+    def test_mt5_two_calls_equal_stock_and_replay(self, _, batch, extra):
+        if not MT5_TAKEN:
+            self.skipTest("the mT5 rows' releases (5.17-5.24)")
+        model = build("mt5").to(self.DEVICE)
+        for call in range(2):
+            check_against_stock(self, model, ids_of(batch, device=self.DEVICE), **extra)
+            self._assert_graphed(call)
 
     def test_gated_gelu_feed_forward_equals_stock(self):
         model = t5(self.DEVICE, gated=True)
@@ -323,6 +334,16 @@ class T5Family(unittest.TestCase):
                           blocks[1].layer[0].SelfAttention, blocks[1].layer[1].EncDecAttention])
         cut, why = proof.attention.cut_of(_attention_class())
         self.assertEqual((cut.bias, cut.derive, why), ("compute_bias", None, None))
+        with torch.no_grad():
+            self.assertEqual(proof.why_not_model(model, model.__call__), "not CUDA (cpu)")
+
+    @unittest.skipUnless(READ, "the T5 row's releases (5.17-5.24)")
+    def test_mt5_is_a_read_family_of_its_own(self):
+        model = build("mt5")
+        family, why = proof.family.find(model)
+        self.assertIsNone(why)
+        self.assertEqual((family.name, family.auto, family.cross_attention), ("mt5", False, "layer.1.EncDecAttention"))
+        self.assertIs(proof.base_of(model), model)
         with torch.no_grad():
             self.assertEqual(proof.why_not_model(model, model.__call__), "not CUDA (cpu)")
 

@@ -322,6 +322,27 @@ _T5 = ("t5", "transformers.models.t5.modeling_t5", {
     "transformers.generation.utils:GenerationMixin._sample": {"61160ef8c121": "5.17.0-5.23.0", "9e153ccbcefb": "5.24.0"},
 })
 
+# mT5 (MT5ForConditionalGeneration), 5.17.0-5.24.0: T5's code under its own class names, digest for digest, but for
+# its layer norm (its docstring's comment names MT5) and its conditional-generation forward (no `scale_decoder_outputs`
+# branch: the logits are `lm_head` of the decoder's output); read as T5's above, on the same releases
+_MT5 = ("mt5", "transformers.models.mt5.modeling_mt5", {
+    "MT5Attention.forward": {"ba160432565f": "5.17.0-5.23.0", "e8b34f4b98ef": "5.24.0"},
+    "MT5Attention.compute_bias": {"e29454d4bb45": "5.17.0-5.24.0"},
+    "MT5LayerSelfAttention.forward": {"16a3cc961bb7": "5.17.0-5.23.0", "08d1ae99bb1a": "5.24.0"},
+    "MT5LayerCrossAttention.forward": {"bf4e97219c63": "5.17.0-5.23.0", "87b9add8f52f": "5.24.0"},
+    "MT5Block.forward": {"663b9362d737": "5.17.0-5.23.0", "4a2868f51430": "5.24.0"},
+    "MT5Stack.forward": {"cf7dbec8f0f0": "5.17.0-5.23.0", "daf68a2b4ec7": "5.24.0"},
+    "MT5ForConditionalGeneration.forward": {"b2feef85e342": "5.17.0-5.22.2", "d15cc61084be": "5.23.0",
+                                            "a5427953b4e5": "5.24.0"},
+    "MT5LayerFF.forward": {"af8ceeb3e8f5": "5.17.0-5.24.0"},
+    "MT5DenseActDense.forward": {"a05abaeef58a": "5.17.0-5.24.0"},
+    "MT5DenseGatedActDense.forward": {"2e665a92d5d4": "5.17.0-5.24.0"},
+    "MT5LayerNorm.forward": {"d0a7b2f2cc1c": "5.17.0-5.24.0"},
+    # the sources outside the modeling module, as T5's
+    **{name: digests for name, digests in _T5[2].items() if ":" in name},
+})
+
+
 def _source(module: str, name: str) -> str:
     return name if ":" in name else f"{module}:{name}"  # a source outside the modeling module is named in full
 
@@ -338,7 +359,8 @@ def _family_row(family, module, sources, present="5.17-5.24") -> Shortcut:
 
 
 PIECEWISE_SHORTCUTS = (*(_family_row(*row) for row in _FAMILIES), _family_row(*_OPT, present="5.18-5.24"),
-                       _family_row(*_WHISPER), _family_row(*_T5))
+                       _family_row(*_WHISPER), _family_row(*_T5),
+                       _family_row(*_MT5))
 
 PIECEWISE_SHORTCUTS += (
     Shortcut(

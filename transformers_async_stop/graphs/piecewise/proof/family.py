@@ -122,6 +122,13 @@ FAMILIES = {
         watched=("create_causal_mask", "create_bidirectional_mask", "ALL_ATTENTION_FUNCTIONS"),
         layer_count="num_decoder_layers", cross_attention="layer.1.EncDecAttention", skipped=("encoder",),
         decoder_positions=False),
+    # mT5: T5's code under its own class names ("piecewise forward (mt5)"); no `scale_decoder_outputs` branch
+    "MT5ForConditionalGeneration": Family(
+        "mt5", "transformers.models.mt5.modeling_mt5", "MT5ForConditionalGeneration", layers="decoder.block",
+        attention="layer.0.SelfAttention", rotary=None,
+        watched=("create_causal_mask", "create_bidirectional_mask", "ALL_ATTENTION_FUNCTIONS"),
+        layer_count="num_decoder_layers", cross_attention="layer.1.EncDecAttention", skipped=("encoder",),
+        decoder_positions=False),
     "Gemma3TextModel": Family("gemma3", "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM",
                               watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask"),
                               windows_by_layer_type=True),
