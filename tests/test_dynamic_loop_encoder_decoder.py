@@ -25,6 +25,8 @@ from transformers import (
     MarianMTModel,
     MBartConfig,
     MBartForConditionalGeneration,
+    MT5Config,
+    MT5ForConditionalGeneration,
     PegasusConfig,
     PegasusForConditionalGeneration,
     StoppingCriteriaList,
@@ -61,10 +63,12 @@ EOT, SOT, EN, FR, TRANSLATE, TRANSCRIBE, PREV_SOT, NO_TIMESTAMPS = 40, 41, 42, 4
 
 def build(family: str):
     torch.manual_seed(0)
-    if family == "t5":
-        config = T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
-                          decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=1, initializer_factor=4.0)
-        return T5ForConditionalGeneration(config).eval()
+    if family in ("t5", "mt5"):  # mT5: T5's code under its own names, a gated-gelu feed-forward by default
+        config_class, model_class = (T5Config, T5ForConditionalGeneration) if family == "t5" else (
+            MT5Config, MT5ForConditionalGeneration)
+        config = config_class(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                              decoder_start_token_id=PAD, pad_token_id=PAD, eos_token_id=1, initializer_factor=4.0)
+        return model_class(config).eval()
     if family == "whisper":
         return build_whisper()
     config_class, model_class = _BART_SHAPED[family]
@@ -178,7 +182,8 @@ def _sampling(sample):
 class TextEncoderDecodersEqualStock(unittest.TestCase):
     @parameterized.expand([(f"{family}_{'padded' if padded else 'b1'}_{'sample' if sample else 'greedy'}",
                             family, padded, sample)
-                           for family in ("bart", "t5") for padded in (False, True) for sample in (False, True)])
+                           for family in ("bart", "t5", "mt5") for padded in (False, True)
+                           for sample in (False, True)])
     def test_sequences_scores_logits_cache_and_rng_equal_stock(self, _, family, padded, sample):
         model = build(family)
         ids, mask = prompt(batch=3 if padded else 1, left_pad=padded)

@@ -188,13 +188,16 @@ class PiecewiseForward(StepInputs):
         if self.encoder_decoder:
             # stock's decoder makes these itself from the same host length (`arange(n) + cache_length`); handed to it
             # (Whisper's, repeated over the batch), or to its position table's call (BART's, whose forward takes
-            # none), the length it reads reaches no output (`targets/piecewise_rows.py`, whisper, bart)
+            # none), the length it reads reaches no output (`targets/piecewise_rows.py`, whisper, bart). T5's decoder
+            # takes none (its position bias is made again at each replay: `attention.Cut.bias`)
             ids = inputs["decoder_input_ids"]
-            positions = torch.arange(ids.shape[1], device=ids.device) + self.step_length
-            if self.family.position_table is None:
-                forward_inputs["decoder_position_ids"] = positions.unsqueeze(0).repeat(ids.shape[0], 1)
-            else:
+            if self.family.position_table is not None:
+                positions = torch.arange(ids.shape[1], device=ids.device) + self.step_length
                 position_table = self.model.get_submodule(self.family.position_table)
+            elif self.family.decoder_positions:
+                positions = torch.arange(ids.shape[1], device=ids.device) + self.step_length
+                forward_inputs["decoder_position_ids"] = positions.unsqueeze(0).repeat(ids.shape[0], 1)
+                positions = None  # the recording's buffer is made from the keyword
             cross_mask_module = sys.modules[self.family.module]
         # K tokens, one with sliding-window layers or another implementation than SDPA (key[5]): the module's mask
         # calls are recorded (`masks.py`)

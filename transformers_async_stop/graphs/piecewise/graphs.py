@@ -106,6 +106,7 @@ def _intercepting(step: str):
 
 _intercept = _intercepting("attention")
 _intercept_derivation = _intercepting("derive")
+_intercept_bias = _intercepting("bias")
 
 
 def _intercept_positions(original):
@@ -189,14 +190,16 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
     # which a step after a mid-call change gets) carries the sequence's length as its row stride, which `clone` keeps,
     # and a confirming recording at another position would then see another geometry at the embedding's op and never
     # be confirmed (red team of 2026-11-29, latent attention: observation 1)
-    if positions is None:
-        positions = inputs[positions_key]
+    # the positions the forward is handed (an encoder-decoder's decoder may take none: BART's get theirs through the
+    # position table's call, from `positions`; T5's decoder has none, and no positions buffer)
+    handed = inputs.get(positions_key) if encoder_decoder else inputs[positions_key]
+    made = positions if positions is not None else handed
     recording = Recording(inputs[ids_key].clone(memory_format=torch.contiguous_format),
-                          positions.clone(memory_format=torch.contiguous_format),
+                          None if made is None else made.clone(memory_format=torch.contiguous_format),
                           torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device))
     kwargs = dict(inputs)
     kwargs.update({ids_key: recording.ids, mask_key: recording.sentinel})
-    if position_table is None:
+    if handed is not None:
         kwargs[positions_key] = recording.positions
     # the cache whose update is intercepted: an encoder-decoder's self-attention cache
     updated = cache.self_attention_cache if encoder_decoder else cache
@@ -228,6 +231,8 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         recorder.watch = watch
         recorder.derives = cut.derive is not None
         recording.derive = cut.derive
+        recorder.biases = cut.bias is not None  # a position bias made after the update (T5's: `attention.Cut.bias`)
+        recording.bias = cut.bias
         if mask_module is not None:
             # one sentinel per mask call, distinct objects (made here: nothing is allocated for them under capture)
             recorder.sentinels = [torch.ones((batch, 1, 1, 1), dtype=torch.bool, device=device)
@@ -238,7 +243,8 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         try:
             with sites.swapped(cut, impl, type(modules[0]), _intercept), masks.swapped(mask_module, _ACTIVE), \
                     sites.swapped_derivation(cut, type(modules[0]), _intercept_derivation), \
-                    contextlib.ExitStack() as swaps, backend.stream(stream), \
+                    (sites.swapped_derivation(cut, type(modules[0]), _intercept_bias, cut.bias) if cut.bias is not None
+                     else contextlib.nullcontext()), contextlib.ExitStack() as swaps, backend.stream(stream), \
                     (watch if watch is not None else contextlib.nullcontext()):
                 _encoder_decoder_swaps(swaps, position_table, cross_mask_module)
                 recorder.begin()

@@ -2,7 +2,8 @@
 attention, a derivation, a cross-attention, a K-token mask call) and the code it runs eagerly between the pieces.
 
 `graphs.py` describes the pieces and what each interception does; this module holds the recorder, the exception a
-refused recording raises, and the stand-in it hands the forward for attention weights.
+refused recording raises, and the stand-in it hands the forward for attention weights. A position bias made after the
+cache update (T5's `compute_bias`: `attention.Cut.bias`) is intercepted too (`_Recorder.bias`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from . import additive_mask, masks
 from .masks import POSITIONS, SCALARS
+from .recording import BIAS
 
 if TYPE_CHECKING:
     from .recording import Recording
@@ -102,6 +104,14 @@ class _Recorder:
         # the family's position table (`family.Family.position_table`) and whether its call was handed the positions
         self.position_table = None
         self.positioned = False
+        # a cut with a position bias (`attention.Cut.bias`, T5's): whether to read the cache's length before each
+        # update (the bias's `past_seen_tokens`) and that length; the bias the forward got (every self-attention's
+        # `position_bias` must be it) and the cross-attention's (T5's zeros of the encoder's length, made in a piece:
+        # every cross-attention's must be the first one's, which the recording holds)
+        self.biases = False
+        self.before = None
+        self.bias_made = None
+        self.cross_bias = None
 
     def expected_module(self):
         index = len(self.rec.layers)
@@ -157,6 +167,9 @@ class _Recorder:
                 self.real_masks = [self._eager(masks.mask_call, function, kwargs, self.real_mask, self.cache,
                                                self.rec.positions)
                                    for function, (_, kwargs) in zip(self.originals, self.rec.mask_calls)]
+        if self.biases:
+            # what the attention module read on the host before its update (T5: `cache.get_seq_length(layer_idx)`)
+            self.before = self.cache.get_seq_length(layer_idx)
         layer = self.cache.layers[layer_idx] if layer_idx < len(self.cache.layers) else None
         if layer is not None:
             # its attributes (shallow): the update binds new tensors and counters (a sliding layer's
@@ -189,6 +202,30 @@ class _Recorder:
             raise NotRecordable("the derivation did not return keys and values")
         self.pending = (layer_idx, k, v, made[0], made[1])
         self.derived = True
+        return made
+
+    def bias(self, original, args, kwargs):
+        """The position bias's call (`attention.Cut.bias`, T5's `compute_bias(query_length, key_length, device=...,
+        past_seen_tokens=...)`): once per recording, between an update and its attention, with the host values stock's
+        forward has (the step's query length, the grown cache layer's length, the cache's length before the update,
+        the query's device). It runs eagerly (its shape grows with the cache); its result is what every
+        self-attention must get as `position_bias` (`_recorded_kwargs`), and every replay calls the method again with
+        the step's lengths (`Recording.replay`)."""
+        if (self.pending is None or self.bias_made is not None or self.derived is not None or len(args) != 3
+                or kwargs.keys() != {"device", "past_seen_tokens"}):
+            raise NotRecordable("a position bias call the recording did not expect")
+        module, query_length, key_length = args
+        keys, seen = self.pending[3], kwargs["past_seen_tokens"]
+        if (type(query_length) is not int or query_length != self.rec.ids.shape[1] or type(key_length) is not int
+                or key_length != keys.shape[-2] or type(seen) is not int or seen != self.before
+                or kwargs["device"] != self.rec.ids.device):
+            raise NotRecordable("the position bias's lengths are not the step's")
+        with self.backend.stream(self.main):
+            made = self._eager(original, module, query_length, key_length, **kwargs)
+        if not isinstance(made, torch.Tensor):
+            raise NotRecordable("the position bias is not a tensor")
+        self.bias_made = made
+        self.rec.bias_site = (len(self.rec.layers), query_length, kwargs["device"])
         return made
 
     def attention(self, original, args, kwargs):
@@ -245,17 +282,37 @@ class _Recorder:
         self.begin()
         return buffer, weights
 
-    def _recorded_kwargs(self, kwargs) -> dict:
-        """The attention's keyword arguments as a replay hands them again: scalars, and the positions buffer marked."""
+    def _recorded_kwargs(self, kwargs, cross=False) -> dict:
+        """The attention's keyword arguments as a replay hands them again: scalars, the positions buffer marked, and
+        a position bias (`cross`: at a cross-attention site) as `_position_bias` says."""
         recorded = {}
         for name, value in kwargs.items():
-            if value is self.rec.positions:
+            if value is self.rec.positions and value is not None:
                 recorded[name] = POSITIONS
             elif isinstance(value, SCALARS):
                 recorded[name] = value
+            elif name == "position_bias" and isinstance(value, torch.Tensor):
+                recorded[name] = self._position_bias(value, cross)
             else:
                 raise NotRecordable(f"the attention's argument {name!r} is a {type(value).__name__}")
         return recorded
+
+    def _position_bias(self, value, cross: bool):
+        """A self-attention's `position_bias` must be, by identity, what the bias call made this step (marked: each
+        replay makes it again); a cross-attention's is a tensor made inside the piece that just ended (T5's zeros of
+        the encoder's length, rewritten by every replay of that piece), the very one at every cross-attention: held
+        by the recording and handed as it is."""
+        if not cross:
+            if value is not self.bias_made:
+                raise NotRecordable("the attention's position_bias is not the one the forward made this step")
+            return BIAS
+        if self.cross_bias is None:
+            if value is self.bias_made or value is self.rec.positions or value is self.rec.ids:
+                raise NotRecordable("a cross-attention's position_bias the recording did not expect")
+            self.cross_bias = value
+        elif value is not self.cross_bias:
+            raise NotRecordable("a cross-attention's position_bias is not the first cross-attention's")
+        return value
 
     def cross_attention(self, original, args, kwargs):
         """An encoder-decoder layer's cross-attention (`family.Family.cross_attention`): its keys and values are, by
@@ -275,7 +332,7 @@ class _Recorder:
             raise NotRecordable("the cross-attention's keys/values are not the cross-attention cache's")
         if mask is not (self.cross_sentinel if self.cross_mask_function is not None else None):
             raise NotRecordable("the cross-attention's mask is not the forward's")
-        recorded = self._recorded_kwargs(kwargs)
+        recorded = self._recorded_kwargs(kwargs, cross=True)
         self.end()
         with self.backend.stream(self.main):
             if self.cross_mask_function is not None and self.cross_mask_made is None:

@@ -3,7 +3,8 @@
 **Replay**: copy the step's ids and positions into the buffers; replay piece 0; make the step's masks where the
 recording made them again (`masks.py`: a K-token forward, or any implementation other than SDPA) or answer them on the
 host (one token, sliding-window layers, SDPA); per layer, the real `cache.update` of the piece's k/v (then, with a
-derivation, its piece and the class's method on the update's results: `attention.Cut.derive`) and the real
+derivation, its piece and the class's method on the update's results: `attention.Cut.derive`; with a position
+bias, the class's method on the step's host lengths: `attention.Cut.bias`) and the real
 attention (the function the forward looks up now, `attention.function`) with the recorded arguments (a bool mask in
 its additive form, converted once per step where the recording proved it: `additive_mask.py`), its output copied
 into the buffer; replay the next piece (`graphs.py` describes the pieces).
@@ -13,7 +14,10 @@ from __future__ import annotations
 
 from ...release_checks import cache_kwarg
 from . import additive_mask, masks
-from .masks import POSITIONS
+from .masks import POSITIONS, Marker
+
+# an attention's `position_bias` that each replay makes again (`attention.Cut.bias`: T5's `compute_bias`)
+BIAS = Marker("the step's position bias")
 
 # an encoder-decoder's output fields that carry the encoder's outputs (`Seq2SeqLMOutput`) -> the `BaseModelOutput`'s
 ENCODER_FIELDS = {"encoder_last_hidden_state": "last_hidden_state", "encoder_hidden_states": "hidden_states",
@@ -33,6 +37,12 @@ class Recording:
         # the recording ran it (then a piece of its own sits between the layer's update and the derivation)
         self.derive = None
         self.derived: list = []
+        # the attention class's position bias method (`attention.Cut.bias`: its name, None without), and where the
+        # recording ran it: (the site whose update comes first, the query's length, the device), None where it did not
+        self.bias = None
+        self.bias_site = None
+        # per site: whether its recorded keywords hold a marker (`POSITIONS`, `BIAS`) a replay substitutes
+        self.marked = None
         self.logits = None
         self.output_type = None
         self.pool = None
@@ -65,7 +75,9 @@ class Recording:
         encoder `attention_mask`, from which the cross-attention mask is made as stock's decoder makes it."""
         self.uses += 1
         self.ids.copy_(input_ids)
-        if type(position_ids) is int:
+        if self.positions is None:  # an encoder-decoder's decoder without positions (T5's): none to fill
+            pass
+        elif type(position_ids) is int:
             self.positions.fill_(position_ids)
         else:
             self.positions.copy_(position_ids)
@@ -90,17 +102,36 @@ class Recording:
         # the derivation as the forward's `self.<name>(...)` finds it now (the per-step checks keep the forward eager
         # where it is not transformers' own: `attention.why_not`)
         derive = getattr(type(modules[0]), self.derive) if self.derive is not None else None
+        # the position bias likewise (`attention.Cut.bias`), made after its site's update from the step's lengths
+        bias_site = self.bias_site
+        if bias_site is not None:
+            bias_at, query_length, device = bias_site
+            make_bias = getattr(type(modules[bias_at]), self.bias)
+        else:
+            bias_at = -1
+        marked = self.marked
+        if marked is None:
+            marked = self.marked = [any(value is POSITIONS or value is BIAS for value in site[4].values())
+                                    for site in self.layers]
+        bias = None
         piece = 1
         for i, (layer_idx, q, k, v, kwargs, out) in enumerate(self.layers):
-            if POSITIONS in kwargs.values():
-                kwargs = {name: (self.positions if value is POSITIONS else value) for name, value in kwargs.items()}
+            if i == bias_at:
+                # what stock's attention read on the host before its update (T5: `cache.get_seq_length(layer_idx)`)
+                seen = cache.get_seq_length(layer_idx)
+                keys, values = update(cache, k, v, layer_idx)
+                bias = make_bias(modules[i], query_length, keys.shape[-2], device=device, past_seen_tokens=seen)
+            if marked[i]:
+                kwargs = {name: (self.positions if value is POSITIONS else bias if value is BIAS else value)
+                          for name, value in kwargs.items()}
             if cross is not None and cross[i]:
                 layer = cross_layers[layer_idx]
                 out.copy_(attention_fn(modules[i], q, layer.keys, layer.values, cross_mask, **kwargs)[0])
                 graphs[piece].replay()
                 piece += 1
                 continue
-            keys, values = update(cache, k, v, layer_idx)
+            if i != bias_at:
+                keys, values = update(cache, k, v, layer_idx)
             if self.derived[i]:
                 graphs[piece].replay()
                 piece += 1

@@ -13,9 +13,10 @@ from .proof.observed import why_not_cache
 
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
 _INPUTS = frozenset(("input_ids", "position_ids", "attention_mask", "use_cache", "logits_to_keep", "return_dict"))
-# an encoder-decoder's decoder step (Whisper's, BART's): the decoder's ids (its positions are the piecewise forward's,
-# stock's own values: `_encoder_decoder_step`), its mask where None, the encoder's outputs and `attention_mask` (from
-# which each replay makes the cross-attention mask as stock's decoder makes it: `recording.Recording.replay`), the cache
+# an encoder-decoder's decoder step (Whisper's, BART's, T5's): the decoder's ids (its positions are the piecewise
+# forward's, stock's own values: `_encoder_decoder_step`), its mask where None, the encoder's outputs and
+# `attention_mask` (from which each replay makes the cross-attention mask as stock's decoder makes it:
+# `recording.Recording.replay`), the cache
 _ENCODER_DECODER_INPUTS = frozenset(("decoder_input_ids", "decoder_attention_mask", "encoder_outputs", "use_cache",
                                      "return_dict", "attention_mask"))
 
@@ -91,7 +92,7 @@ class StepInputs:
         ids, encoder = inputs.get("decoder_input_ids"), inputs.get("encoder_outputs")
         if not (steps.row(ids, self.device) and ids.shape[1] == 1):
             return None, None, "not a one-token decode step"
-        if type(encoder) is not BaseModelOutput or not isinstance(encoder.last_hidden_state, torch.Tensor):
+        if not _encoder_outputs(encoder, BaseModelOutput):
             return None, None, "no encoder outputs (the encoder would run)"
         if inputs.get("use_cache", True) is not True:
             return None, None, "inputs the recording does not take"
@@ -116,7 +117,10 @@ class StepInputs:
         # stock's decoder reads it as `cache.get_seq_length()` (the self-attention cache's), on the host
         self.step_length = cache.get_seq_length()
         # no mask: SDPA's own causal path for one query (`steps.attention_mask`), the kind True
-        return None, self._key(ids, 1, torch.long, True, 0), None
+        key = self._key(ids, 1, torch.long, True, 0)
+        # the encoder's length, before the dtype (last, `_record`): a recording may bake it into a piece (T5's
+        # cross-attention bias, zeros of that length)
+        return None, key[:-1] + (("encoder length", encoder.last_hidden_state.shape[1]),) + key[-1:], None
 
     def _key(self, ids, width, positions_dtype, kind, keep):
         """The recording key of a step (see `_step`)."""
@@ -133,3 +137,16 @@ class StepInputs:
                 steps.default_device(),
                 # the model's dtype, last (`_record` puts the one of the embedding module as it watches it then)
                 self.embeddings.weight.dtype)
+
+
+def _encoder_outputs(encoder, plain_type) -> bool:
+    """The encoder's outputs as a replay hands them on (`recording.ENCODER_FIELDS`, read by attribute): stock's
+    `BaseModelOutput` (`plain_type`), or another output holding its last hidden state alone (T5's stack returns a
+    `BaseModelOutputWithPastAndCrossAttentions`, which stock's forward wraps as `BaseModelOutput(encoder_outputs[0],
+    encoder_outputs[1] if ..., ...)`: by position, so the same fields only where no other is set)."""
+    from transformers.utils import ModelOutput
+
+    if type(encoder) is not plain_type and not (isinstance(encoder, ModelOutput)
+                                                and list(encoder.keys()) == ["last_hidden_state"]):
+        return False
+    return isinstance(encoder.last_hidden_state, torch.Tensor)

@@ -13,8 +13,8 @@ decoder-only model, except (their `is_encoder_decoder` branches):
   `cross_attentions` is None likewise.
 
 The loop takes the conditional-generation classes of the families in `targets/encoder_decoder_rows.py` (BART, mBART,
-Marian, Pegasus, Blenderbot, BlenderbotSmall, T5, Whisper), exactly those classes (a subclass may run other code), with a plain
-`EncoderDecoderCache` of two plain `DynamicCache`s of full-attention `DynamicLayer`s, on a release whose family
+Marian, Pegasus, Blenderbot, BlenderbotSmall, T5, mT5, Whisper), exactly those classes (a subclass may run other
+code), with a plain `EncoderDecoderCache` of two plain `DynamicCache`s of full-attention `DynamicLayer`s, on a release whose family
 sources are the ones read: their cross-attention is written at the prefill only, their decoder keeps the cache it is
 handed. So the extra step's forward writes one position of the self-attention cache and nothing else, and its undo is
 that cache's crop (`cache_rollback.rollback_one_step` reaches it through `self_attention_cache`), as on the deferred

@@ -16,7 +16,8 @@ each family's own code is read here:
   with the same arguments; with a decoder mask it makes `decoder_position_ids` from it, and the loop then calls it at
   every step. 5.24 renames the cache `cache` (the keyword deprecation decorator: transformers' own code).
 BART, mBART, Marian, Pegasus, Blenderbot and BlenderbotSmall share one attention source (copies); each has its own
-decoder (Blenderbot's and BlenderbotSmall's read in 5.17.0-5.24.0 on 2026-11-29, session 4). Read in 5.17.0, 5.23.0
+decoder (Blenderbot's and BlenderbotSmall's read in 5.17.0-5.24.0 on 2026-11-29, session 4). mT5 is T5's code under
+its own names (its attention and stack sources are T5's, digest for digest). Read in 5.17.0, 5.23.0
 and 5.24.0; digested there and in the CI's release installs of 5.18.0, 5.19.0, 5.20.2, 5.21.1 and 5.22.2
 (noxfile.py `releases`): 5.23 changes the decoders' annotations and layerdrop condition, 5.24 renames the cache.
 """
@@ -66,6 +67,11 @@ FAMILIES = {
     "t5": ("transformers.models.t5.modeling_t5", "T5ForConditionalGeneration", {
         "T5Attention.forward": {"ba160432565f": "5.17.0-5.23.0", "e8b34f4b98ef": "5.24.0"},
         "T5Stack.forward": {"cf7dbec8f0f0": "5.17.0-5.23.0", "daf68a2b4ec7": "5.24.0"},
+    }),
+    # mT5: T5's code under its own names (a copy: the same sources, digest for digest)
+    "mt5": ("transformers.models.mt5.modeling_mt5", "MT5ForConditionalGeneration", {
+        "MT5Attention.forward": {"ba160432565f": "5.17.0-5.23.0", "e8b34f4b98ef": "5.24.0"},
+        "MT5Stack.forward": {"cf7dbec8f0f0": "5.17.0-5.23.0", "daf68a2b4ec7": "5.24.0"},
     }),
     "whisper": ("transformers.models.whisper.modeling_whisper", "WhisperForConditionalGeneration", {
         "WhisperAttention.forward": {"589f084030ea": "5.17.0-5.23.0", "80d8edd51b83": "5.24.0"},

@@ -29,6 +29,14 @@ every replay calls the class's method, looked up then, on the keys and values th
 recorder checks the data flow by identity: the method gets exactly the update's results, and the attention exactly
 the method's (`recorder._Recorder.derive`).
 
+A cut may also have a **bias** (`Cut.bias`): a method of the attention module that the forward calls after the cache
+update, with host lengths, to make a position bias the attention gets as `position_bias=` (T5's `compute_bias(1,
+key_length, device=..., past_seen_tokens=...)`, in layer 0 only; the stack hands its result to every later layer).
+Its shape grows with the cache, so no piece can hold it: a recording runs it eagerly, checking that it got the host
+lengths stock's forward has (the query's length, the grown cache layer's, the cache's before the update) and that
+each attention's `position_bias` is its result by identity; every replay calls the class's method, looked up then,
+with the step's lengths (`recorder._Recorder.bias`, `recording.Recording.replay`).
+
 A recording replaces exactly the object that lookup finds (the registry entry, the module global or the class's
 method) with an interceptor for the length of the recording (`swapped`): a forward that looks its attention up another
 way never reaches the interceptor, and the recording fails, named. Every replay looks the function up again, and the
@@ -53,6 +61,8 @@ FUNCTION, METHOD = "function", "method"
 _METHODS = ("_attn",)
 # the attention module's methods that derive the attention's keys and values from the cache update's results
 _DERIVATIONS = ("expand_kv",)
+# the attention module's methods that make the position bias the attention gets, after the cache update (T5's)
+_BIASES = ("compute_bias",)
 _REGISTRY = "ALL_ATTENTION_FUNCTIONS"
 
 
@@ -68,6 +78,8 @@ class Cut:
     # the method deriving the attention's keys and values from the cache update's results (None: the attention gets
     # the update's results themselves)
     derive: str | None = None
+    # the method making the attention's position bias from host lengths after the cache update (None: it has none)
+    bias: str | None = None
 
 
 _CUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention class -> (Cut | None, why)
@@ -99,15 +111,16 @@ def _find_cut(cls) -> tuple[Cut | None, str | None]:
     names = code_names(forward)
     module = table.get("__name__", "")
     derive = next((name for name in _DERIVATIONS if name in names and callable(getattr(cls, name, None))), None)
+    bias = next((name for name in _BIASES if name in names and callable(getattr(cls, name, None))), None)
     if _REGISTRY in names and _REGISTRY in table:
         # the default `get_interface` is handed: the module's eager function (its name varies: `eager_attention_
         # forward`, `simple_eager_attention_forward`...); one found among the names the forward looks up
         defaults = sorted(name for name in names if name.endswith("attention_forward") and "eager" in name
                           and callable(table.get(name)))
-        return Cut(FUNCTION, defaults[0] if len(defaults) == 1 else None, module, derive), None
+        return Cut(FUNCTION, defaults[0] if len(defaults) == 1 else None, module, derive, bias), None
     for name in _METHODS:
         if name in names and callable(getattr(cls, name, None)):
-            return Cut(METHOD, name, module, derive), None
+            return Cut(METHOD, name, module, derive, bias), None
     return None, (f"the attention is computed inside {cls.__name__}.forward, not by an attention function: no point "
                   "to cut the forward at")
 
@@ -131,11 +144,12 @@ def function(cut: Cut, impl, cls):
         return None
 
 
-def derivation(cut: Cut, cls):
-    """The method a replay calls on the update's results (`Cut.derive`), looked up on the class as the forward's
-    `self.<name>(...)` finds it (an instance-level one keeps the forward eager: `why_not`); None where the cut has
-    none."""
-    return getattr(cls, cut.derive, None) if cut.derive is not None else None
+def derivation(cut: Cut, cls, name: str | None = None):
+    """The method a replay calls on the update's results (`Cut.derive`; `name`: another of the cut's methods, its
+    `bias`), looked up on the class as the forward's `self.<name>(...)` finds it (an instance-level one keeps the
+    forward eager: `why_not`); None where the cut has none."""
+    name = cut.derive if name is None else name
+    return getattr(cls, name, None) if name is not None else None
 
 
 def _reads_registry(registry, impl: str) -> bool:
@@ -169,13 +183,16 @@ def why_not(cut: Cut, impl, modules) -> str | None:
         return f"an attention function for {impl} that is not transformers' own"
     if cut.kind == METHOD and any(cut.name in vars(module) for module in modules):
         return f"an instance-level {cut.name} on an attention module"
-    if cut.derive is not None:
-        # each replay calls it eagerly for every layer, as the attention: stock's code, or the forward stays eager
-        derive = derivation(cut, cls)
+    for name in (cut.derive, cut.bias):
+        if name is None:
+            continue
+        # each replay calls it eagerly (for every layer; the bias for its layer), as the attention: stock's code, or
+        # the forward stays eager
+        derive = derivation(cut, cls, name)
         if derive is None or not transformers_own(derive):
-            return f"{cls.__name__}.{cut.derive} is not transformers' own"
-        if any(cut.derive in vars(module) for module in modules):
-            return f"an instance-level {cut.derive} on an attention module"
+            return f"{cls.__name__}.{name} is not transformers' own"
+        if any(name in vars(module) for module in modules):
+            return f"an instance-level {name} on an attention module"
     if impl == "sdpa":
         if not steps.own_sdpa_mask():
             # stock's `create_causal_mask` calls the mask function registered for "sdpa" at every step; a replay's
@@ -207,13 +224,14 @@ def swapped(cut: Cut, impl, cls, intercept):
 
 
 @contextlib.contextmanager
-def swapped_derivation(cut: Cut, cls, intercept):
-    """The class's derivation method (`Cut.derive`) replaced by `intercept(original)` for a recording; restored
-    whatever happens. No derivation: nothing is swapped."""
-    if cut.derive is None:
+def swapped_derivation(cut: Cut, cls, intercept, name: str | None = None):
+    """The class's derivation method (`Cut.derive`; `name`: another of the cut's methods, its `bias`) replaced by
+    `intercept(original)` for a recording; restored whatever happens. None: nothing is swapped."""
+    name = cut.derive if name is None else name
+    if name is None:
         yield
         return
-    with swapped_attribute(cls, cut.derive, intercept):
+    with swapped_attribute(cls, name, intercept):
         yield
 
 

@@ -62,17 +62,23 @@ class Family:
     # `position_ids`): a recording hands that call the positions buffer as its `position_ids` instead
     # (`recorder._Recorder.positions`), so the baked length reaches no output; None: the forward takes `position_ids`
     position_table: str | None = None
+    # an encoder-decoder's decoder takes position ids (Whisper's `decoder_position_ids`: every recording and replay is
+    # handed stock's own values); False: it has none (T5: its relative position bias, `attention.Cut.bias`)
+    decoder_positions: bool = True
 
     def attentions(self, base, config) -> list:
         layers = operator.attrgetter(self.layers)(base)  # a dotted path for a nested decoder (OPT's `decoder.layers`)
         layers = layers[: getattr(config, self.layer_count)]
+        # dotted paths too: T5's attention modules sit inside its layer's sublayers (`layer.0.SelfAttention`)
         if self.cross_attention is None:
-            return [getattr(layer, self.attention) for layer in layers]
+            attention = operator.attrgetter(self.attention)
+            return [attention(layer) for layer in layers]
         # in call order: each layer's self-attention, then its cross-attention
-        return [getattr(layer, name) for layer in layers for name in (self.attention, self.cross_attention)]
+        pair = operator.attrgetter(self.attention, self.cross_attention)
+        return [module for layer in layers for module in pair(layer)]
 
 
-# base model class -> its family
+# base model class (the model's own where it has none: T5) -> its family
 FAMILIES = {
     "LlamaModel": Family("llama", "transformers.models.llama.modeling_llama", "LlamaForCausalLM"),
     "MistralModel": Family("mistral", "transformers.models.mistral.modeling_mistral", "MistralForCausalLM"),
@@ -129,6 +135,25 @@ FAMILIES = {
            ("marian", "Marian", "MarianMTModel"), ("pegasus", "Pegasus", "PegasusForConditionalGeneration"),
            ("blenderbot", "Blenderbot", "BlenderbotForConditionalGeneration"),
            ("blenderbot_small", "BlenderbotSmall", "BlenderbotSmallForConditionalGeneration"))},
+    # T5 (T5ForConditionalGeneration's decoder, 5.17+): no base model (the conditional-generation class holds its
+    # stacks: `base_of` gives the model itself), the decoder's blocks at `decoder.block`, each block's self-attention
+    # and cross-attention inside its sublayers (`layer.0.SelfAttention`, `layer.1.EncDecAttention`), no positions
+    # (the relative position bias, computed after layer 0's cache update from the cache's host lengths: run eagerly at
+    # each replay, `attention.Cut.bias`), an `EncoderDecoderCache`; the encoder never runs in a decode step. Read by
+    # hand (`targets/piecewise_rows.py`, "piecewise forward (t5)"), never proven per recording
+    "T5ForConditionalGeneration": Family(
+        "t5", "transformers.models.t5.modeling_t5", "T5ForConditionalGeneration", layers="decoder.block",
+        attention="layer.0.SelfAttention", rotary=None,
+        watched=_ENCODER_DECODER_WATCHED,
+        layer_count="num_decoder_layers", cross_attention="layer.1.EncDecAttention", skipped=("encoder",),
+        decoder_positions=False),
+    # mT5: T5's code under its own class names ("piecewise forward (mt5)"); no `scale_decoder_outputs` branch
+    "MT5ForConditionalGeneration": Family(
+        "mt5", "transformers.models.mt5.modeling_mt5", "MT5ForConditionalGeneration", layers="decoder.block",
+        attention="layer.0.SelfAttention", rotary=None,
+        watched=_ENCODER_DECODER_WATCHED,
+        layer_count="num_decoder_layers", cross_attention="layer.1.EncDecAttention", skipped=("encoder",),
+        decoder_positions=False),
     "Gemma3TextModel": Family("gemma3", "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM",
                               watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask"),
                               windows_by_layer_type=True),
@@ -138,7 +163,12 @@ STATIC_ROPE = frozenset(("default", "linear", "llama3", "yarn"))
 
 
 def base_of(model):
-    return getattr(model, getattr(model, "base_model_prefix", ""), None)
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if base is None and type(model).__name__ in FAMILIES:
+        # a read family whose model holds its stacks itself (T5ForConditionalGeneration: `base_model_prefix` names
+        # no attribute of it), keyed by the model's own class
+        return model
+    return base
 
 
 
