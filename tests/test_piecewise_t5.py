@@ -1,5 +1,5 @@
 """T5's graphed decoder forward (T5ForConditionalGeneration), read by hand (`graphs/piecewise/proof/family.py`
-FAMILIES, the digests of "piecewise forward (t5)" in `targets/piecewise_rows.py`, 5.17.0-5.24.0).
+FAMILIES, the digests of "piecewise forward (t5)" in `targets/piecewise_t5_rows.py`, 5.17.0-5.24.0).
 
 A decode step of T5's decoder runs two attention sites per block, as Whisper's: the self-attention after the update
 of the `EncoderDecoderCache`'s self-attention cache, and the cross-attention over the cross-attention cache (no

@@ -146,7 +146,12 @@ def _encoder_outputs(encoder, plain_type) -> bool:
     encoder_outputs[1] if ..., ...)`: by position, so the same fields only where no other is set)."""
     from transformers.utils import ModelOutput
 
-    if type(encoder) is not plain_type and not (isinstance(encoder, ModelOutput)
-                                                and list(encoder.keys()) == ["last_hidden_state"]):
+    from .recording import ENCODER_FIELDS
+
+    if type(encoder) is not plain_type and not (
+            isinstance(encoder, ModelOutput) and list(encoder.keys()) == ["last_hidden_state"]
+            # the fields a replay's output reads from it exist, None as in the `BaseModelOutput` stock makes
+            and all(getattr(encoder, source, False) is None for source in ENCODER_FIELDS.values()
+                    if source != "last_hidden_state")):
         return False
     return isinstance(encoder.last_hidden_state, torch.Tensor)

@@ -140,7 +140,7 @@ FAMILIES = {
     # and cross-attention inside its sublayers (`layer.0.SelfAttention`, `layer.1.EncDecAttention`), no positions
     # (the relative position bias, computed after layer 0's cache update from the cache's host lengths: run eagerly at
     # each replay, `attention.Cut.bias`), an `EncoderDecoderCache`; the encoder never runs in a decode step. Read by
-    # hand (`targets/piecewise_rows.py`, "piecewise forward (t5)"), never proven per recording
+    # hand (`targets/piecewise_t5_rows.py`, "piecewise forward (t5)"), never proven per recording
     "T5ForConditionalGeneration": Family(
         "t5", "transformers.models.t5.modeling_t5", "T5ForConditionalGeneration", layers="decoder.block",
         attention="layer.0.SelfAttention", rotary=None,
