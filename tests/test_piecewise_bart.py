@@ -1,6 +1,6 @@
 """The graphed decoder forward of BART and its modular copies (mBART, Marian, Pegasus), read by hand
 (`graphs/piecewise/proof/family.py` FAMILIES, the digests of "piecewise forward (bart)" and the others in
-`targets/bart_piecewise_rows.py`, 5.17.0-5.24.0).
+`targets/piecewise_bart_rows.py`, 5.17.0-5.24.0).
 
 A decode step runs two attention sites per layer (the self-attention's cache update, then the cross-attention over
 the cross-attention cache's keys and values), as Whisper's. Two things differ from Whisper's decoder, and are what

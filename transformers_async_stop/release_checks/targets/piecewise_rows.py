@@ -17,7 +17,7 @@ docstrings. 5.24.0 differs from 5.23.0 in:
   `create_causal_mask` reorders its packed-sequence branch (only without a cache).
 """
 
-from .bart_piecewise_rows import BART_ROWS
+from .piecewise_bart_rows import BART_ROWS
 from .shortcuts import Shortcut
 from .piecewise_t5_rows import MT5 as _MT5
 from .piecewise_t5_rows import T5 as _T5
