@@ -299,6 +299,25 @@ class BartOnCuda(_BartCases, unittest.TestCase):
     DEVICE = "cuda"
     DTYPES = (("fp32", torch.float32), ("bf16", torch.bfloat16))
 
+    def test_a_graphed_decode_step_blocks_on_no_sync_but_stocks_encoder_mask_check(self):
+        # torch's sync debug mode over a 16-token call minus a 1-token call, warm: without an encoder mask no step
+        # waits on the device; with one, each step keeps stock's own check of it (`_ignore_bidirectional_mask_sdpa`)
+        from models import count_syncs
+
+        model = model_of("bart", self.DEVICE)
+        ids = source(1, self.DEVICE)
+        for mask, per_step in ((None, 0), (torch.ones_like(ids), 1)):
+            kwargs = {} if mask is None else dict(attention_mask=mask)
+
+            def run(n):
+                return model.generate(ids, max_new_tokens=n, min_new_tokens=n, async_stopping_criteria=True, **kwargs)
+
+            run(16), run(1)
+            steps = count_syncs(lambda: run(16)) - count_syncs(lambda: run(1))
+            self.assertEqual(steps, 15 * per_step, mask is not None)
+            run(16)
+            self.assertEqual(tas.last_path().forward, f"{PIECES}: 15 decode steps")
+
 
 @unittest.skipUnless(TAKEN, "the BART rows' releases (5.17-5.24)")
 @mock.patch.dict(os.environ, ON)
