@@ -20,9 +20,7 @@ the graphs emulated.
 
 from __future__ import annotations
 
-import copy
 import os
-import types
 import unittest
 from unittest import mock
 
@@ -31,9 +29,10 @@ from parameterized import parameterized
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import transformers_async_stop as tas
+from encoder_decoder_steps import assert_steps_equal_stock
 from models import TRANSFORMERS_VERSION, assert_same, stock
 from test_dynamic_loop_encoder_decoder import build
-from transformers_async_stop.graphs.piecewise import forward, proof
+from transformers_async_stop.graphs.piecewise import proof
 from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.release_checks.verified import matches
 
@@ -260,38 +259,13 @@ class _BartCases:
         self.assertIn("eager", tas.last_path().forward)
 
     def test_the_forward_carries_the_encoder_outputs_and_equals_stock_step_by_step(self):
-        from transformers import DynamicCache, EncoderDecoderCache
-
         model = model_of("mbart", self.DEVICE)
         ids = source(2, self.DEVICE)
         mask = encoder_mask("padded", ids)
-        name = cache_kwarg.name()
         with torch.no_grad():
             encoder = model.model.encoder(input_ids=ids, attention_mask=mask)
-            ours = EncoderDecoderCache(DynamicCache(), DynamicCache())
-            prompt = torch.tensor([[2, 5, 6], [2, 7, 8]], device=self.DEVICE)
-            model(encoder_outputs=encoder, attention_mask=mask, decoder_input_ids=prompt, use_cache=True,
-                  **{name: ours})
-            theirs = copy.deepcopy(ours)
-            report = types.SimpleNamespace(forward=None, verify=None)
-            step = forward.PiecewiseForward(model, model.__call__, report)
-            token = torch.tensor([[5], [9]], device=self.DEVICE)
-            for index in range(4):
-                inputs = {"decoder_input_ids": token, "encoder_outputs": encoder, "attention_mask": mask,
-                          "use_cache": True, "return_dict": True}
-                got = step(**{**inputs, name: ours})
-                with stock():
-                    want = model(**{**inputs, name: theirs})
-                self.assertEqual(type(got), type(want))
-                self.assertEqual(list(got.keys()), list(want.keys()))
-                self.assertIs(got.encoder_last_hidden_state, encoder.last_hidden_state)
-                self.assertIs(cache_kwarg.of_output(got), ours)
-                self.assertTrue(torch.equal(got.logits, want.logits), index)
-                assert_same(self, ours, theirs)
-                token = want.logits[:, -1:].argmax(-1)
-        self.assertEqual((step.replayed, step.eager_steps), (4, 0))  # the first step recorded (counted graphed)
-        self.assertEqual(report.forward, f"{PIECES}: 4 decode steps")
-
+        prompt = torch.tensor([[2, 5, 6], [2, 7, 8]], device=self.DEVICE)
+        assert_steps_equal_stock(self, model, encoder, prompt, PIECES, extra={"attention_mask": mask})
 
 @unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.24")
 @mock.patch.dict(os.environ, ON)

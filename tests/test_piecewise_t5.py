@@ -19,10 +19,8 @@ without it) and on the CPU with the graphs emulated.
 
 from __future__ import annotations
 
-import copy
 import os
 import re
-import types
 import unittest
 from unittest import mock
 
@@ -31,6 +29,7 @@ from parameterized import parameterized
 from transformers import StoppingCriteria, T5Config, T5ForConditionalGeneration
 
 import transformers_async_stop as tas
+from encoder_decoder_steps import assert_steps_equal_stock
 from models import TRANSFORMERS_VERSION, VOCAB, assert_same, stock
 from test_dynamic_loop_encoder_decoder import PAD, build
 from transformers_async_stop.graphs.piecewise import forward, proof
@@ -272,35 +271,11 @@ class _T5Cases:
             self.assertEqual(tas.last_path().forward, f"{PIECES}: {NEW - 1} decode steps")
 
     def test_the_forward_carries_the_encoder_outputs_and_equals_stock_step_by_step(self):
-        from transformers import DynamicCache, EncoderDecoderCache
-
         model = t5(self.DEVICE)
-        name = cache_kwarg.name()
         with torch.no_grad():
             encoder = model.encoder(input_ids=ids_of(2, device=self.DEVICE))
-            ours = EncoderDecoderCache(DynamicCache(), DynamicCache())
-            prompt = torch.tensor([[PAD, 7, 9], [PAD, 8, 4]], device=self.DEVICE)
-            model(encoder_outputs=encoder, decoder_input_ids=prompt, use_cache=True, **{name: ours})
-            theirs = copy.deepcopy(ours)
-            report = types.SimpleNamespace(forward=None, verify=None)
-            step = forward.PiecewiseForward(model, model.__call__, report)
-            token = torch.tensor([[5], [9]], device=self.DEVICE)
-            for index in range(4):
-                inputs = {"decoder_input_ids": token, "encoder_outputs": encoder, "use_cache": True,
-                          "return_dict": True}
-                got = step(**{**inputs, name: ours})
-                with stock():
-                    want = model(**{**inputs, name: theirs})
-                self.assertEqual(type(got), type(want))
-                self.assertEqual(list(got.keys()), list(want.keys()))
-                self.assertIs(got.encoder_last_hidden_state, encoder.last_hidden_state)
-                self.assertIs(cache_kwarg.of_output(got), ours)
-                self.assertTrue(torch.equal(got.logits, want.logits), index)
-                assert_same(self, ours, theirs)
-                token = want.logits[:, -1:].argmax(-1)
-        self.assertEqual((step.replayed, step.eager_steps), (4, 0))  # the first step recorded (counted graphed)
-        self.assertEqual(report.forward, f"{PIECES}: 4 decode steps")
-
+        prompt = torch.tensor([[PAD, 7, 9], [PAD, 8, 4]], device=self.DEVICE)
+        assert_steps_equal_stock(self, model, encoder, prompt, PIECES)
 
 @unittest.skipUnless(CUDA, "needs a CUDA device and transformers 5.17-5.24")
 @mock.patch.dict(os.environ, ON)

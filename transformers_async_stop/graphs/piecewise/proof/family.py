@@ -141,19 +141,12 @@ FAMILIES = {
     # (the relative position bias, computed after layer 0's cache update from the cache's host lengths: run eagerly at
     # each replay, `attention.Cut.bias`), an `EncoderDecoderCache`; the encoder never runs in a decode step. Read by
     # hand (`targets/piecewise_t5_rows.py`, "piecewise forward (t5)"), never proven per recording
-    "T5ForConditionalGeneration": Family(
-        "t5", "transformers.models.t5.modeling_t5", "T5ForConditionalGeneration", layers="decoder.block",
-        attention="layer.0.SelfAttention", rotary=None,
-        watched=_ENCODER_DECODER_WATCHED,
-        layer_count="num_decoder_layers", cross_attention="layer.1.EncDecAttention", skipped=("encoder",),
-        decoder_positions=False),
     # mT5: T5's code under its own class names ("piecewise forward (mt5)"); no `scale_decoder_outputs` branch
-    "MT5ForConditionalGeneration": Family(
-        "mt5", "transformers.models.mt5.modeling_mt5", "MT5ForConditionalGeneration", layers="decoder.block",
-        attention="layer.0.SelfAttention", rotary=None,
-        watched=_ENCODER_DECODER_WATCHED,
-        layer_count="num_decoder_layers", cross_attention="layer.1.EncDecAttention", skipped=("encoder",),
-        decoder_positions=False),
+    **{generation_class: Family(name, f"transformers.models.{name}.modeling_{name}", generation_class,
+                                layers="decoder.block", attention="layer.0.SelfAttention", rotary=None,
+                                watched=_ENCODER_DECODER_WATCHED, layer_count="num_decoder_layers",
+                                cross_attention="layer.1.EncDecAttention", skipped=("encoder",), decoder_positions=False)
+       for name, generation_class in (("t5", "T5ForConditionalGeneration"), ("mt5", "MT5ForConditionalGeneration"))},
     "Gemma3TextModel": Family("gemma3", "transformers.models.gemma3.modeling_gemma3", "Gemma3ForCausalLM",
                               watched=(*_WATCHED_GLOBALS, "create_sliding_window_causal_mask"),
                               windows_by_layer_type=True),
