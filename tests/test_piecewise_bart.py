@@ -374,7 +374,7 @@ class BartFamilies(unittest.TestCase):
         self.assertTrue(tas.last_path().forward.startswith("graphed"), tas.last_path().forward)
 
 
-class BartBenchCase(unittest.TestCase):
+class EncoderDecoderBenchCases(unittest.TestCase):
     def test_the_bart_case_is_opt_in_bart_base_shaped_and_runs_tiny_on_cpu_equal_to_stock(self):
         from test_bench import run_bench
         from transformers_async_stop.bench import catalog
@@ -395,6 +395,23 @@ class BartBenchCase(unittest.TestCase):
         self.assertIs(run["variants"]["async"]["exact"], True)
         if TAKEN:
             self.assertIn("dynamic loop", run["variants"]["async"]["path"])
+
+    def test_the_t5_case_is_opt_in_t5_base_shaped_and_runs_tiny_on_cpu_equal_to_stock(self):
+        from test_bench import run_bench
+        from transformers_async_stop.bench import catalog
+        from transformers_async_stop.bench.encoder_decoder_cases import t5_config
+
+        builtin = catalog.builtin_cases()
+        self.assertTrue(builtin["t5-base"].opt_in)
+        base = t5_config()  # what CUDA builds (not built here: 220M parameters)
+        self.assertEqual((base.d_model, base.num_layers, base.num_decoder_layers, base.num_heads, base.vocab_size),
+                         (768, 12, 12, 12, 32128))
+        code, result, _, _ = run_bench(["--cases", "t5-base", "--variants", "stock,async", "--reps", "1",
+                                        "--new-tokens", "6"], builtin)
+        self.assertEqual(code, 0)
+        (run,) = [r for r in result["runs"] if r["case"] == "t5-base"]
+        self.assertIsNone(run["error"])
+        self.assertIs(run["variants"]["async"]["exact"], True)
 
 
 if __name__ == "__main__":

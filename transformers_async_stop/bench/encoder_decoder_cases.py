@@ -1,5 +1,5 @@
-"""The encoder-decoder cases (opt-in): `whisper-small`, a Whisper-small-shaped speech model, and `bart-base`, a
-BART-base-shaped summariser.
+"""The encoder-decoder cases (opt-in): `whisper-small`, a Whisper-small-shaped speech model, `bart-base`, a
+BART-base-shaped summariser, and `t5-base`, a T5-base-shaped one.
 
 Whisper-small's shape (12 encoder and 12 decoder layers, width 768, 12 heads, 80 mel bins, 30 s of audio: 3000
 frames, a 51865-token vocabulary), bf16 on CUDA, random weights from a config (no download), transcribing one clip
@@ -12,8 +12,8 @@ same kind (the LoRA case does the same), so that the case runs there too and is 
 from __future__ import annotations
 
 import torch
-from transformers import (BartConfig, BartForConditionalGeneration, GenerationConfig, WhisperConfig,
-                          WhisperForConditionalGeneration)
+from transformers import (BartConfig, BartForConditionalGeneration, GenerationConfig, T5Config,
+                          T5ForConditionalGeneration, WhisperConfig, WhisperForConditionalGeneration)
 
 from .cases import Case
 
@@ -92,6 +92,27 @@ def build_bart(device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     return model.eval()
 
 
+# T5-base's shape (12 + 12 blocks, width 768, 12 heads of 64, a feed-forward of 3072, a 32128-token vocabulary); the
+# CPU's stand-in: two blocks each, width 64
+_T5_BASE = dict(d_model=768, d_kv=64, d_ff=3072, num_layers=12, num_heads=12)
+_T5_TINY = dict(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2)
+
+
+def t5_config(tiny: bool = False) -> T5Config:
+    return T5Config(vocab_size=32128, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                    **(_T5_TINY if tiny else _T5_BASE))
+
+
+def build_t5(device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """T5-base-shaped on CUDA (random weights from a config), the tiny T5 elsewhere; its encoder gets the prompt and
+    the tokenizer's mask of ones, as `build_bart`'s."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = T5ForConditionalGeneration(t5_config(tiny=device.type != "cuda")).to(dtype)
+    model.generation_config = GenerationConfig(decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
+    return model.eval()
+
+
 def encoder_decoder_cases() -> dict[str, Case]:
     return {
         "whisper-small": Case(
@@ -103,4 +124,8 @@ def encoder_decoder_cases() -> dict[str, Case]:
             "bart-base", build_bart, (1,), 64, 128, "bf16", pad_token_id=1, plan=(("eager", "greedy"),), opt_in=True,
             about="a BART-base-shaped summariser (6+6 layers, width 768), bf16, a 128-token source with its mask of "
                   "ones, greedy b1, EncoderDecoderCache (tiny on CPU)"),
+        "t5-base": Case(
+            "t5-base", build_t5, (1,), 64, 128, "bf16", pad_token_id=0, plan=(("eager", "greedy"),), opt_in=True,
+            about="a T5-base-shaped model (12+12 blocks, width 768), bf16, a 128-token source with its mask of ones, "
+                  "greedy b1, EncoderDecoderCache (tiny on CPU)"),
     }
