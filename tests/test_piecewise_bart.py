@@ -32,7 +32,7 @@ import transformers_async_stop as tas
 from encoder_decoder_steps import assert_steps_equal_stock
 from models import TRANSFORMERS_VERSION, assert_same, stock
 from test_dynamic_loop_encoder_decoder import build
-from transformers_async_stop.graphs.piecewise import proof
+from transformers_async_stop.graphs.piecewise import forward, proof
 from transformers_async_stop.release_checks import cache_kwarg
 from transformers_async_stop.release_checks.verified import matches
 
@@ -137,6 +137,16 @@ class _BartCases:
         out = run(True)
         assert_same(self, ref, out)
         self.assertEqual(tas.last_path().forward, f"{PIECES}: 5 decode steps")
+
+    def test_one_recording_serves_every_source_length(self):
+        # no piece reads the encoder's length (the cross-attentions and their mask run eagerly on the step's own
+        # tensors): a call with a longer source replays the first call's recording (T5's bakes it: its own test)
+        model = model_of("bart", self.DEVICE)
+        for length in (7, 11, 4):
+            ids = torch.randint(3, 30, (2, length), generator=torch.Generator().manual_seed(length)).to(self.DEVICE)
+            check_against_stock(self, model, ids, mask=encoder_mask("padded", ids), min_new_tokens=NEW)
+            self.assertEqual(tas.last_path().forward, f"{PIECES}: {NEW - 1} decode steps")
+            self.assertEqual(len(forward.graphs_of(model).recordings), 1, length)
 
     def test_a_call_up_to_the_position_tables_last_row_equals_stock(self):
         # BART's learned table holds max_position_embeddings (64) rows past its offset of 2: a call of 64 decoder

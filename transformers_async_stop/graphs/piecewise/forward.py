@@ -191,13 +191,11 @@ class PiecewiseForward(StepInputs):
             # none), the length it reads reaches no output (`targets/piecewise_rows.py`, whisper, bart). T5's decoder
             # takes none (its position bias is made again at each replay: `attention.Cut.bias`)
             ids = inputs["decoder_input_ids"]
-            if self.family.position_table is not None:
-                positions = torch.arange(ids.shape[1], device=ids.device) + self.step_length
-                position_table = self.model.get_submodule(self.family.position_table)
-            elif self.family.decoder_positions:
-                positions = torch.arange(ids.shape[1], device=ids.device) + self.step_length
-                forward_inputs["decoder_position_ids"] = positions.unsqueeze(0).repeat(ids.shape[0], 1)
-                positions = None  # the recording's buffer is made from the keyword
+            made = torch.arange(ids.shape[1], device=ids.device) + self.step_length
+            if self.family.decoder_positions:
+                forward_inputs["decoder_position_ids"] = made.unsqueeze(0).repeat(ids.shape[0], 1)
+            elif self.family.position_table is not None:
+                positions, position_table = made, self.model.get_submodule(self.family.position_table)
             cross_mask_module = sys.modules[self.family.module]
         # K tokens, one with sliding-window layers or another implementation than SDPA (key[5]): the module's mask
         # calls are recorded (`masks.py`)

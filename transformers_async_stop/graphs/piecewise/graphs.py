@@ -88,13 +88,19 @@ class CaptureFailed(Exception):
 
 
 
-def _intercepting(step: str):
-    """The interceptor factory for a recording's `step` (the recorder's method of that name: "attention", "derive"):
-    a call from the module the recording expects next goes to the recorder, any other to the original."""
+def _next_site(recorder, args) -> bool:
+    return bool(args) and args[0] is recorder.expected_module()
+
+
+def _intercepting(step: str, applies=_next_site):
+    """The interceptor factory for a recording's `step` (the recorder's method of that name: "attention", "derive",
+    "bias", "positions", "cross_mask"): a call `applies(recorder, args)` says is the recording's (by default, from the
+    module the recording expects next) goes to the recorder, any other (another thread's, another module's) to the
+    original."""
     def make(original):
         def intercepted(*args, **kwargs):
             recorder = _ACTIVE.get()
-            if recorder is None or not args or args[0] is not recorder.expected_module():
+            if recorder is None or not applies(recorder, args):
                 return original(*args, **kwargs)
             return getattr(recorder, step)(original, args, kwargs)
 
@@ -107,32 +113,12 @@ def _intercepting(step: str):
 _intercept = _intercepting("attention")
 _intercept_derivation = _intercepting("derive")
 _intercept_bias = _intercepting("bias")
-
-
-def _intercept_positions(original):
-    """The position table class's `forward` for a recording (`family.Family.position_table`): the recording's table
-    gets the positions buffer (`_Recorder.positions`), any other call the original."""
-    def forward(*args, **kwargs):
-        recorder = _ACTIVE.get()
-        if recorder is None or not args or args[0] is not recorder.position_table:
-            return original(*args, **kwargs)
-        return recorder.positions(original, args, kwargs)
-
-    forward._tas_piecewise_original = original
-    return forward
-
-
-def _intercept_cross_mask(original):
-    """The modeling module's `create_bidirectional_mask` for an encoder-decoder's recording: its call goes to the
-    recorder (`_Recorder.cross_mask`), another thread's to the original."""
-    def create_bidirectional_mask(*args, **kwargs):
-        recorder = _ACTIVE.get()
-        if recorder is None or recorder.cross_sentinel is None:
-            return original(*args, **kwargs)
-        return recorder.cross_mask(original, args, kwargs)
-
-    create_bidirectional_mask._tas_piecewise_original = original
-    return create_bidirectional_mask
+# the position table class's `forward` (`family.Family.position_table`): the recording's table gets the positions
+# buffer (`_Recorder.positions`)
+_intercept_positions = _intercepting("positions", lambda recorder, args: bool(args) and
+                                     args[0] is recorder.position_table)
+# the modeling module's `create_bidirectional_mask` in an encoder-decoder's recording (`_Recorder.cross_mask`)
+_intercept_cross_mask = _intercepting("cross_mask", lambda recorder, args: recorder.cross_sentinel is not None)
 
 
 def _encoder_decoder_swaps(stack: contextlib.ExitStack, position_table, cross_mask_module) -> None:
@@ -242,9 +228,9 @@ def record(model, model_forward, inputs: dict, cache, modules, real_mask, impl: 
         updated.update = recorder.update  # the call's own cache object, for this forward only
         try:
             with sites.swapped(cut, impl, type(modules[0]), _intercept), masks.swapped(mask_module, _ACTIVE), \
-                    sites.swapped_derivation(cut, type(modules[0]), _intercept_derivation), \
-                    (sites.swapped_derivation(cut, type(modules[0]), _intercept_bias, cut.bias) if cut.bias is not None
-                     else contextlib.nullcontext()), contextlib.ExitStack() as swaps, backend.stream(stream), \
+                    sites.swapped_derivation(type(modules[0]), cut.derive, _intercept_derivation), \
+                    sites.swapped_derivation(type(modules[0]), cut.bias, _intercept_bias), \
+                    contextlib.ExitStack() as swaps, backend.stream(stream), \
                     (watch if watch is not None else contextlib.nullcontext()):
                 _encoder_decoder_swaps(swaps, position_table, cross_mask_module)
                 recorder.begin()

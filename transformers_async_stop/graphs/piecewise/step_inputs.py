@@ -9,6 +9,7 @@ import torch
 
 from ...release_checks import cache_kwarg
 from . import mask_kind, settings, steps
+from .proof import attention
 from .proof.observed import why_not_cache
 
 # the step's inputs a recording takes; the cache's keyword is the running release's (`cache_kwarg.name()`)
@@ -118,8 +119,13 @@ class StepInputs:
         self.step_length = cache.get_seq_length()
         # no mask: SDPA's own causal path for one query (`steps.attention_mask`), the kind True
         key = self._key(ids, 1, torch.long, True, 0)
-        # the encoder's length, before the dtype (last, `_record`): a recording may bake it into a piece (T5's
-        # cross-attention bias, zeros of that length)
+        cut, _ = attention.cut_of(type(self.modules[0]))
+        if cut is None or cut.bias is None:
+            # no piece of Whisper's or BART's family reads the encoder's length (their cross-attentions, its mask
+            # included, run eagerly at every replay on the step's own tensors): one recording serves every source length
+            return None, key, None
+        # the encoder's length, before the dtype (last, `_record`): a cut with a position bias (T5's) bakes it into a
+        # piece (its cross-attention bias, zeros of that length)
         return None, key[:-1] + (("encoder length", encoder.last_hidden_state.shape[1]),) + key[-1:], None
 
     def _key(self, ids, width, positions_dtype, kind, keep):

@@ -144,11 +144,10 @@ def function(cut: Cut, impl, cls):
         return None
 
 
-def derivation(cut: Cut, cls, name: str | None = None):
-    """The method a replay calls on the update's results (`Cut.derive`; `name`: another of the cut's methods, its
-    `bias`), looked up on the class as the forward's `self.<name>(...)` finds it (an instance-level one keeps the
-    forward eager: `why_not`); None where the cut has none."""
-    name = cut.derive if name is None else name
+def derivation(cls, name: str | None):
+    """The cut's method `name` a replay calls (its `derive` on the update's results, its `bias` on host lengths),
+    looked up on the class as the forward's `self.<name>(...)` finds it (an instance-level one keeps the forward
+    eager: `why_not`); None where the cut has none."""
     return getattr(cls, name, None) if name is not None else None
 
 
@@ -188,7 +187,7 @@ def why_not(cut: Cut, impl, modules) -> str | None:
             continue
         # each replay calls it eagerly (for every layer; the bias for its layer), as the attention: stock's code, or
         # the forward stays eager
-        derive = derivation(cut, cls, name)
+        derive = derivation(cls, name)
         if derive is None or not transformers_own(derive):
             return f"{cls.__name__}.{name} is not transformers' own"
         if any(name in vars(module) for module in modules):
@@ -224,10 +223,9 @@ def swapped(cut: Cut, impl, cls, intercept):
 
 
 @contextlib.contextmanager
-def swapped_derivation(cut: Cut, cls, intercept, name: str | None = None):
-    """The class's derivation method (`Cut.derive`; `name`: another of the cut's methods, its `bias`) replaced by
-    `intercept(original)` for a recording; restored whatever happens. None: nothing is swapped."""
-    name = cut.derive if name is None else name
+def swapped_derivation(cls, name: str | None, intercept):
+    """The class's method `name` (the cut's `derive` or `bias`) replaced by `intercept(original)` for a recording;
+    restored whatever happens. None (the cut has no such method): nothing is swapped."""
     if name is None:
         yield
         return

@@ -60,10 +60,11 @@ class Family:
     # the module (a dotted path from the model) whose call gets the positions the decoder makes itself from the
     # cache's host length (BART's `decoder.embed_positions(ids, cache_length, position_ids=...)`: its forward takes no
     # `position_ids`): a recording hands that call the positions buffer as its `position_ids` instead
-    # (`recorder._Recorder.positions`), so the baked length reaches no output; None: the forward takes `position_ids`
+    # (`recorder._Recorder.positions`), so the baked length reaches no output; None: no such call
     position_table: str | None = None
     # an encoder-decoder's decoder takes position ids (Whisper's `decoder_position_ids`: every recording and replay is
-    # handed stock's own values); False: it has none (T5: its relative position bias, `attention.Cut.bias`)
+    # handed stock's own values); False: it takes none (BART's family: their position table's call is handed them;
+    # T5: it has none, its relative position bias is made again at each replay, `attention.Cut.bias`)
     decoder_positions: bool = True
 
     def attentions(self, base, config) -> list:
@@ -129,7 +130,7 @@ FAMILIES = {
     **{f"{prefix}Model": Family(name, f"transformers.models.{name}.modeling_{name}", generation_class,
                                 layers="decoder.layers", rotary=None, watched=_ENCODER_DECODER_WATCHED,
                                 layer_count="decoder_layers", cross_attention="encoder_attn", skipped=("model.encoder",),
-                                position_table="model.decoder.embed_positions")
+                                decoder_positions=False, position_table="model.decoder.embed_positions")
        for name, prefix, generation_class in (
            ("bart", "Bart", "BartForConditionalGeneration"), ("mbart", "MBart", "MBartForConditionalGeneration"),
            ("marian", "Marian", "MarianMTModel"), ("pegasus", "Pegasus", "PegasusForConditionalGeneration"),
